@@ -1,0 +1,15 @@
+# The two commands a fresh machine needs (README): `make demo` and `make test`.
+.PHONY: setup demo test test-fast
+setup:
+	./scripts/setup.sh
+
+# prepare + extract on the embedded default (SmolLM2-135M-Instruct + chitchat), on CPU
+demo: setup
+	.venv/bin/eaglepipe stage=all extract.batch_tokens=4096
+
+# everything except hardware-bound markers; pytest exit 5 ("no tests ran") is not a failure
+test: setup
+	.venv/bin/python -m pytest -m "not gpu" -q; rc=$$?; [ $$rc -eq 5 ] && exit 0; exit $$rc
+
+test-fast: setup
+	.venv/bin/python -m pytest -m "not slow and not gpu" -q

@@ -1,0 +1,34 @@
+"""`eaglepipe` / `python -m pipeline`: the only Hydra entry point; runs cfg.stage (or all stages in order)."""
+
+import logging
+import sys
+from pathlib import Path
+
+import hydra
+from omegaconf import DictConfig, OmegaConf
+
+from pipeline.config import register
+from pipeline.errors import UserError
+
+log = logging.getLogger("pipeline")
+register()
+
+
+@hydra.main(version_base="1.3", config_path=str(Path(__file__).resolve().parent.parent / "conf"), config_name="config")
+def app(cfg: DictConfig) -> None:
+    from pipeline.stages import run_stages
+
+    log.debug("resolved config:\n%s", OmegaConf.to_yaml(cfg, resolve=True))
+    try:
+        run_stages(cfg)
+    except UserError as e:
+        print(f"eaglepipe: error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

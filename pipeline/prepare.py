@@ -1,0 +1,186 @@
+"""Stage `prepare`: conversations -> chat-templated token ids with an assistant-only loss mask.
+
+Output run_dir/prepared/: a `datasets` folder (input_ids, loss_mask, sample_id, source_id) and
+stats.json (counts, what produced it, and the `prepared_fingerprint` later stages check against).
+Mask rule (docs/prepared.md): a token is supervised iff its first character lies inside an assistant
+turn's rendered content or the end-of-turn token right after it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+from omegaconf import OmegaConf
+from tqdm import tqdm
+
+from pipeline import __version__, targets
+from pipeline.errors import UserError
+from pipeline.regenerate import regenerate
+from pipeline.sources import Problems, load_conversations
+from pipeline.stages import digest
+
+log = logging.getLogger(__name__)
+SCHEMA_VERSION = 1
+
+
+def out_dir(cfg) -> Path:
+    return Path(cfg.run_dir) / "prepared"
+
+
+def check(cfg) -> None:
+    problems = []
+    if cfg.prepare.max_len < 2:
+        problems.append(f"prepare.max_len={cfg.prepare.max_len}: must be >= 2")
+    if cfg.prepare.regenerate_endpoint and not cfg.prepare.regenerate:
+        problems.append("prepare.regenerate_endpoint is set but prepare.regenerate=false; set regenerate=true")
+    if cfg.data.limit is not None and cfg.data.limit < 1:
+        problems.append(f"data.limit={cfg.data.limit}: must be >= 1 or null")
+    if problems:
+        raise UserError("; ".join(problems))
+
+
+def fingerprint(cfg) -> str:
+    folder = targets.resolve(cfg.target, cfg.cache_dir)
+    data = OmegaConf.to_container(cfg.data, resolve=True, enum_to_str=True)
+    if data.get("path") and Path(data["path"]).exists():
+        st = Path(data["path"]).stat()
+        data["_file"] = [st.st_size, st.st_mtime_ns]
+    return digest({"target": targets.fingerprint(folder), "data": data, "version": SCHEMA_VERSION,
+                   "prepare": OmegaConf.to_container(cfg.prepare, resolve=True, enum_to_str=True)})
+
+
+def is_complete(cfg) -> bool:
+    return (out_dir(cfg) / "stats.json").is_file()
+
+
+def run(cfg) -> Path:
+    check(cfg)
+    folder = targets.resolve(cfg.target, cfg.cache_dir)
+    targets.load_config(folder, cfg.target)
+    tok = targets.load_tokenizer(folder, cfg.target)
+    convs, problems = load_conversations(cfg.data)
+    if not convs:
+        raise UserError(f"data={cfg.data.name}: no usable conversation (skipped: {problems.as_dict()})")
+    log.info("prepare: %d conversations from %s (skipped %d)", len(convs), cfg.data.name, sum(problems.counts.values()))
+    regen_stats = regenerate(cfg, folder, tok, convs) if cfg.prepare.regenerate else None
+
+    rows = {"input_ids": [], "loss_mask": [], "sample_id": [], "source_id": []}
+    drops = Problems("skip", "prepare")
+    truncated = 0
+    for conv in tqdm(convs, desc="prepare|tokenize", mininterval=1.0):
+        try:
+            ids, mask = tokenize_with_mask(tok, conv["messages"])
+        except TemplateError as e:
+            drops.report(str(e), conv["source_id"])
+            continue
+        if len(ids) > cfg.prepare.max_len:
+            truncated += 1
+            ids, mask = ids[: cfg.prepare.max_len], mask[: cfg.prepare.max_len]
+        if not any(mask):
+            drops.report(f"no supervised token within max_len={cfg.prepare.max_len}", conv["source_id"])
+            continue
+        rows["sample_id"].append(len(rows["sample_id"]))
+        rows["source_id"].append(conv["source_id"])
+        rows["input_ids"].append(ids)
+        rows["loss_mask"].append(mask)
+    drops.log_summary()
+    if not rows["sample_id"]:
+        raise UserError(f"prepare: every conversation was dropped ({drops.as_dict()})")
+    stats = _stats(cfg, folder, tok, rows, problems, drops, truncated, regen_stats)
+    _save(out_dir(cfg), rows, stats)
+    log.info("prepare: %d samples, %d tokens (%d supervised, %.1f%%), %d truncated -> %s", stats["samples"],
+             stats["tokens"], stats["supervised_tokens"], 100 * stats["supervised_tokens"] / stats["tokens"],
+             truncated, out_dir(cfg))
+    return out_dir(cfg)
+
+
+class TemplateError(Exception):
+    pass
+
+
+def assistant_spans(tok, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
+    """Render the conversation; return the text and the character spans the draft must learn to emit.
+
+    Uses only the template's prefix property: rendering messages[:i] with the generation prompt must be a
+    prefix of rendering messages[:i+1], which must be a prefix of the full text (true of ChatML, Llama-3,
+    Qwen templates). A template that breaks it fails loudly instead of producing a wrong mask.
+    """
+    full = tok.apply_chat_template(messages, tokenize=False)
+    eot = tok.eos_token
+    if not eot:
+        raise TemplateError("tokenizer has no eos token to close assistant turns")
+    spans = []
+    for i, m in enumerate(messages):
+        if m["role"] != "assistant":
+            continue
+        if i == 0:
+            raise TemplateError("conversation starts with an assistant turn")
+        prefix = tok.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=True)
+        upto = tok.apply_chat_template(messages[: i + 1], tokenize=False)
+        if not (full.startswith(upto) and upto.startswith(prefix)):
+            raise TemplateError("chat template is not prefix-stable for this conversation")
+        k = upto.find(eot, len(prefix))
+        if k < 0:
+            raise TemplateError(f"assistant turn not closed by the end-of-turn token {eot!r}")
+        spans.append((len(prefix), k + len(eot)))
+    return full, spans
+
+
+def tokenize_with_mask(tok, messages: list[dict]) -> tuple[list[int], list[int]]:
+    text, spans = assistant_spans(tok, messages)
+    enc = tok(text, add_special_tokens=False, return_offsets_mapping=True)
+    starts = np.array([a for a, _ in enc["offset_mapping"]], dtype=np.int64)
+    mask = np.zeros(len(starts), dtype=np.uint8)
+    for a, b in spans:
+        mask |= ((starts >= a) & (starts < b)).astype(np.uint8)
+    return list(enc["input_ids"]), mask.tolist()
+
+
+def _stats(cfg, folder, tok, rows, problems, drops, truncated, regen_stats) -> dict:
+    lengths = np.array([len(x) for x in rows["input_ids"]])
+    supervised = int(sum(sum(m) for m in rows["loss_mask"]))
+    return {
+        "schema_version": SCHEMA_VERSION, "produced_by": f"eaglepipe {__version__}",
+        "prepared_fingerprint": fingerprint(cfg), "target_path": str(folder),
+        "target_fingerprint": targets.fingerprint(folder), "chat_template_hash": targets.chat_template_hash(tok),
+        "max_len": cfg.prepare.max_len, "data": cfg.data.name, "samples": len(lengths),
+        "tokens": int(lengths.sum()), "supervised_tokens": supervised, "truncated": truncated,
+        "length_mean": float(lengths.mean()), "length_max": int(lengths.max()),
+        "skipped_records": problems.as_dict(), "dropped_samples": drops.as_dict(), "regenerate": regen_stats,
+    }
+
+
+def _save(out: Path, rows: dict, stats: dict) -> None:
+    import datasets
+
+    features = datasets.Features({
+        "input_ids": datasets.Sequence(datasets.Value("int32")), "loss_mask": datasets.Sequence(datasets.Value("uint8")),
+        "sample_id": datasets.Value("int64"), "source_id": datasets.Value("string")})
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    datasets.Dataset.from_dict(rows, features=features).save_to_disk(str(tmp))
+    (tmp / "stats.json").write_text(json.dumps(stats, indent=1))
+    shutil.rmtree(out, ignore_errors=True)
+    os.replace(tmp, out)
+
+
+def load_prepared(run_dir: Path | str, limit: Optional[int] = None):
+    """(dataset, stats) of a prepared folder, or a UserError telling which stage to run."""
+    import datasets
+
+    out = Path(run_dir) / "prepared"
+    if not (out / "stats.json").is_file():
+        raise UserError(f"no prepared data under {out}; run stage=prepare first")
+    stats = json.loads((out / "stats.json").read_text())
+    if stats.get("schema_version") != SCHEMA_VERSION:
+        raise UserError(f"{out} has schema {stats.get('schema_version')}, expected {SCHEMA_VERSION}; rerun stage=prepare")
+    ds = datasets.load_from_disk(str(out))
+    if limit is not None:
+        ds = ds.select(range(min(limit, len(ds))))
+    return ds, stats

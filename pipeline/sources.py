@@ -1,0 +1,229 @@
+"""Conversation sources: chitchat (embedded), sharegpt, messages (OpenAI style), hf (datasets folder/parquet).
+
+Every source yields {"source_id": str, "messages": [{"role": user|assistant|system, "content": str}]}.
+Bad records are counted per reason (`on_error=skip`, the first line numbers are logged) or stop the run
+with their line number (`on_error=fail`); nothing is dropped silently.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import random
+import re
+from collections import Counter, defaultdict
+from pathlib import Path
+from typing import Iterable, Iterator, Optional
+
+from pipeline.errors import UserError
+
+log = logging.getLogger(__name__)
+
+ROLES = {"user": "user", "human": "user", "assistant": "assistant", "gpt": "assistant", "chatgpt": "assistant",
+         "bot": "assistant", "model": "assistant", "system": "system"}
+
+
+class Problems:
+    """Counts of skipped records per reason, with where they were; raises at once under on_error=fail."""
+
+    def __init__(self, on_error: str, origin: str):
+        self.on_error, self.origin = on_error, origin
+        self.counts: Counter = Counter()
+        self.where: dict[str, list[str]] = defaultdict(list)
+
+    def report(self, reason: str, where: str) -> None:
+        if self.on_error == "fail":
+            raise UserError(f"{self.origin} {where}: {reason} (data.on_error=skip skips such records with a count)")
+        self.counts[reason] += 1
+        if len(self.where[reason]) < 5:
+            self.where[reason].append(where)
+
+    def log_summary(self) -> None:
+        for reason, n in sorted(self.counts.items()):
+            log.warning("skipped %d records of %s: %s (first at %s)", n, self.origin, reason,
+                        ", ".join(self.where[reason]))
+
+    def as_dict(self) -> dict:
+        return dict(self.counts)
+
+
+def _enum(v) -> str:
+    return str(getattr(v, "value", v))
+
+
+def load_conversations(data) -> tuple[list[dict], Problems]:
+    """All valid conversations of the configured source, after split, shuffle and limit."""
+    fmt = _enum(data.format)
+    problems = Problems(_enum(data.on_error), data.path or fmt)
+    if fmt == "chitchat":
+        raw = [(c["source_id"], c) for c in chitchat_conversations(data.path)]
+    elif fmt in ("sharegpt", "messages"):
+        raw = list(_json_records(Path(_need_path(data)), problems))
+    elif fmt == "hf":
+        raw = list(_hf_records(Path(_need_path(data)), data.split))
+    else:
+        raise UserError(f"unknown data.format {fmt!r}")
+    convs = []
+    for where, record in raw:
+        conv = normalise(record, where, problems)
+        if conv is not None:
+            convs.append(conv)
+    convs = apply_split(convs, data.split if fmt != "hf" else "train")
+    if data.shuffle:
+        random.Random(data.seed).shuffle(convs)
+    if data.limit is not None:
+        convs = convs[: data.limit]
+    problems.log_summary()
+    return convs, problems
+
+
+def _need_path(data) -> str:
+    if not data.path:
+        raise UserError(f"data={data.name} needs data.path=/path/to/file")
+    if not Path(data.path).exists():
+        raise UserError(f"data.path {data.path} does not exist")
+    return data.path
+
+
+def chitchat_conversations(path: Optional[str], limit: Optional[int] = None) -> Iterator[dict]:
+    """chitchat-dataset: messages are lists of utterances by one sender; first sender = user."""
+    if path is None:
+        spec = importlib.util.find_spec("chitchat_dataset")
+        if spec is None:
+            raise UserError("data=chitchat needs chitchat-dataset==0.9.0 (make setup installs it)")
+        path = str(Path(spec.submodule_search_locations[0]) / "dataset.json")
+    data = json.loads(Path(path).read_text(encoding="utf-8"))
+    for n, (conv_id, conv) in enumerate(data.items()):
+        if limit is not None and n >= limit:
+            return
+        turns: list[dict] = []
+        first_sender = None
+        for message in conv.get("messages", []):
+            if not message:
+                continue
+            sender = message[0]["sender"]
+            first_sender = first_sender or sender
+            role = "user" if sender == first_sender else "assistant"
+            text = " ".join(u["text"].strip() for u in message if u.get("text", "").strip())
+            if not text:
+                continue
+            if turns and turns[-1]["role"] == role:  # consecutive messages of one speaker: merged
+                turns[-1]["content"] += " " + text
+            else:
+                turns.append({"role": role, "content": text})
+        yield {"source_id": f"chitchat:{conv_id}", "messages": turns}
+
+
+def _json_records(path: Path, problems: Problems) -> Iterator[tuple[str, dict]]:
+    data = path.read_bytes()
+    if path.suffix == ".json":
+        try:
+            text = data.decode("utf-8")
+        except UnicodeDecodeError as e:
+            line = data[: e.start].count(b"\n") + 1
+            raise UserError(f"{path} line {line}: invalid UTF-8 (byte {e.start}); a .json file must be valid "
+                            "UTF-8 as a whole") from None
+        try:
+            records = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise UserError(f"{path} line {e.lineno}: malformed JSON ({e.msg})") from None
+        if not isinstance(records, list):
+            raise UserError(f"{path}: expected a JSON list of conversations (or use .jsonl)")
+        for i, r in enumerate(records):
+            yield f"record {i}", r
+        return
+    for lineno, raw in enumerate(data.split(b"\n"), start=1):
+        if not raw.strip():
+            continue
+        try:
+            record = json.loads(raw.decode("utf-8"))
+        except UnicodeDecodeError:
+            problems.report("invalid UTF-8", f"line {lineno}")
+            continue
+        except json.JSONDecodeError as e:
+            problems.report(f"malformed JSON", f"line {lineno} (col {e.colno}: {e.msg})")
+            continue
+        yield f"line {lineno}", record
+
+
+def _hf_records(path: Path, split: str) -> Iterator[tuple[str, dict]]:
+    import datasets
+
+    if path.suffix == ".parquet" or (path.is_dir() and any(path.glob("*.parquet"))):
+        files = [str(path)] if path.suffix == ".parquet" else sorted(str(p) for p in path.glob("*.parquet"))
+        ds = datasets.load_dataset("parquet", data_files={"train": files}, split=split)
+    else:
+        try:
+            ds = datasets.load_from_disk(str(path))
+        except FileNotFoundError as e:
+            raise UserError(f"{path}: not a datasets save_to_disk folder or parquet ({e})") from None
+        if isinstance(ds, datasets.DatasetDict):
+            base = re.match(r"^(\w+)", split).group(1)
+            if base not in ds:
+                raise UserError(f"{path}: no split {base!r}; it has {sorted(ds)}")
+            ds = ds[base]
+        ds = ds.select(_split_indices(len(ds), split))
+    for i, row in enumerate(ds):
+        yield f"row {i}", row
+
+
+def normalise(record, where: str, problems: Problems) -> Optional[dict]:
+    """One record -> a conversation, or None (reported) when it is unusable."""
+    if not isinstance(record, dict):
+        problems.report("record is not an object", where)
+        return None
+    turns = record.get("messages") if "messages" in record else record.get("conversations")
+    if not isinstance(turns, list) or not turns:
+        problems.report("empty conversation", where)
+        return None
+    messages = []
+    for t in turns:
+        if not isinstance(t, dict):
+            problems.report("turn is not an object", where)
+            return None
+        role_raw, content = (t.get("role"), t.get("content")) if "role" in t else (t.get("from"), t.get("value"))
+        role = ROLES.get(str(role_raw).lower())
+        if role is None:
+            problems.report(f"unknown role {role_raw!r} (known: {', '.join(sorted(ROLES))})", where)
+            return None
+        if not isinstance(content, str):
+            problems.report("turn content is not a string", where)
+            return None
+        try:
+            content.encode("utf-8")
+        except UnicodeEncodeError:  # lone surrogates from \ud800-style escapes
+            problems.report("invalid UTF-8", where)
+            return None
+        messages.append({"role": role, "content": content})
+    if not any(m["role"] == "assistant" for m in messages):
+        problems.report("no assistant turn", where)
+        return None
+    source_id = str(record.get("id", record.get("source_id", where)))
+    return {"source_id": source_id, "messages": messages}
+
+
+def apply_split(items: list, split: str) -> list:
+    return [items[i] for i in _split_indices(len(items), split)]
+
+
+def _split_indices(n: int, split: str) -> range:
+    """HF split syntax over a list: `train`, `train[:90%]`, `train[90%:]`, `train[10:200]`."""
+    m = re.fullmatch(r"\w+(?:\[(-?\d*%?):(-?\d*%?)\])?", split.strip())
+    if not m:
+        raise UserError(f"data.split {split!r}: expected e.g. train, train[:90%], train[100:200]")
+
+    def bound(s: Optional[str], default: int) -> int:
+        if not s:
+            return default
+        v = int(s.rstrip("%"))
+        v = round(n * v / 100) if s.endswith("%") else v
+        return max(0, min(n, v if v >= 0 else n + v))
+
+    return range(bound(m.group(1), 0), bound(m.group(2), n))
+
+
+def iter_text(convs: Iterable[dict]) -> Iterator[str]:
+    for c in convs:
+        for m in c["messages"]:
+            yield m["content"]
