@@ -1,0 +1,79 @@
+"""The command line: stage runner (skip / redo), one-line user errors with exit code 2, multirun."""
+
+import json
+import logging
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pipeline.errors import UserError
+from pipeline.stages import read_records, run_stages
+
+pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def cli(*args, cache_dir):
+    flags = [a for a in args if a.startswith("-")]  # Hydra wants -m before the overrides
+    overrides = [a for a in args if not a.startswith("-")]
+    return subprocess.run([sys.executable, "-m", "pipeline", *flags, f"cache_dir={cache_dir}", *overrides], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_stage_all_skips_fresh_stages_and_redoes_what_changed(make_cfg, tmp_path, caplog):
+    caplog.set_level(logging.INFO)
+    cfg = make_cfg("target=tiny", "data.limit=4", run_dir=tmp_path)
+    run_stages(cfg)
+    first = read_records(tmp_path)
+    assert set(first) == {"prepare", "extract"}
+    caplog.clear()
+    run_stages(cfg)
+    assert "stage prepare: up to date" in caplog.text and "stage extract: up to date" in caplog.text
+    assert read_records(tmp_path) == first
+    # more data: prepare is redone; extract refuses to mix features from the old prepared set ...
+    changed = make_cfg("target=tiny", "data.limit=5", run_dir=tmp_path)
+    with pytest.raises(UserError, match="prepared_fingerprint.*extract.overwrite=true"):
+        run_stages(changed)
+    assert read_records(tmp_path)["prepare"]["fingerprint"] != first["prepare"]["fingerprint"]
+    # ... until told to replace them
+    run_stages(make_cfg("target=tiny", "data.limit=5", "extract.overwrite=true", run_dir=tmp_path))
+    assert json.loads((tmp_path / "features" / "manifest.json").read_text())["facts"]["num_samples"] == 5
+
+
+def test_an_incomplete_stage_is_not_skipped(make_cfg, tmp_path):
+    cfg = make_cfg("target=tiny", "data.limit=3", run_dir=tmp_path)
+    run_stages(cfg)
+    manifest = tmp_path / "features" / "manifest.json"
+    m = json.loads(manifest.read_text())
+    m["complete"] = False
+    manifest.write_text(json.dumps(m))
+    run_stages(cfg)
+    assert json.loads(manifest.read_text())["complete"] is True
+
+
+@pytest.mark.parametrize("args,message", [
+    (["target=llama3_8b", "target.path=/nonexistent/model", "stage=prepare"], "target path /nonexistent/model does not exist"),
+    (["target=tiny", "stage=extract", "extract.aux_layers=[1,8]"], r"aux layer ids \[8\] outside \[0, 7\]"),
+    (["target=tiny", "stage=train"], "stage train is not built yet"),
+    (["target=tiny", "stage=extract"], "run stage=prepare first"),
+    (["target=tiny", "data=sharegpt", "data.path=/nonexistent.jsonl", "stage=prepare"], "does not exist"),
+])
+def test_user_mistakes_exit_2_with_one_line_and_no_traceback(tmp_path, cache_dir, args, message):
+    if any("aux_layers" in a for a in args):
+        assert cli("target=tiny", "stage=prepare", "data.limit=2", f"run_dir={tmp_path}", cache_dir=cache_dir).returncode == 0
+    r = cli(*args, f"run_dir={tmp_path}", "data.limit=2", cache_dir=cache_dir)
+    assert r.returncode == 2, r.stderr[-2000:]
+    errors = [line for line in r.stderr.splitlines() if line.startswith("eaglepipe: error:")]
+    assert len(errors) == 1 and "Traceback" not in r.stderr
+    assert re.search(message, errors[0]), errors[0]
+
+
+def test_multirun_sweeps_into_separate_run_dirs(tmp_path, cache_dir):
+    r = cli("-m", "target=tiny", "stage=prepare", "data.limit=2,3", f"hydra.sweep.dir={tmp_path}/sweep",
+            f"run_dir={tmp_path}/limit" + "${data.limit}", cache_dir=cache_dir)
+    assert r.returncode == 0, r.stderr[-2000:]
+    for n in (2, 3):
+        assert json.loads((tmp_path / f"limit{n}" / "prepared" / "stats.json").read_text())["samples"] == n
