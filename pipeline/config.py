@@ -32,7 +32,7 @@ class TargetSource(str, Enum):
 class TargetConfig:
     name: str = MISSING
     source: TargetSource = TargetSource.path
-    path: Optional[str] = None  # required for source=path
+    path: Optional[str] = None  # source=path: the HF folder; source=smollm2_gguf: the .gguf (null = the wheel's)
     # Expected shape: checked against the loaded config.json, so a wrong `path` fails loudly.
     num_layers: int = MISSING
     hidden_size: int = MISSING

@@ -48,7 +48,9 @@ def resolve(target, cache_dir: str | Path) -> Path:
         return path
     cache = Path(cache_dir).expanduser() / "targets"
     if source == "smollm2_gguf":
-        gguf = smollm2_gguf_path()
+        gguf = Path(target.path).expanduser() if target.path else smollm2_gguf_path()
+        if not gguf.is_file():
+            raise UserError(f"target.path {gguf} does not exist (for source=smollm2_gguf it names the .gguf file)")
         return _build_once(cache / f"smollm2-135m-instruct-bf16-{_sha256(gguf)[:12]}", lambda d: _convert_gguf(gguf, d))
     if source == "tiny":
         key = hashlib.sha256(json.dumps(TINY_SPEC, sort_keys=True).encode()).hexdigest()[:12]
@@ -67,7 +69,7 @@ def smollm2_gguf_path() -> Path:
     return path
 
 
-def _sha256(path: Path, limit: int | None = None) -> str:
+def _sha256(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
         while chunk := f.read(1 << 22):

@@ -1,0 +1,109 @@
+"""Benchmark: capture throughput of `extract` (tokens/s written to the store) beside plain prefill.
+
+Same prepared samples, same length-bucketed batches, same model and dtype, three measurements:
+  prefill   - the decoder forward alone (no hooks, nothing copied back)
+  capture   - forward + hooks + bf16 cast + copy to host (what extract does before writing)
+  extract   - the real stage end to end, writing the zarr store (per compressor)
+Usage (GPU):  python scripts/bench/extract_throughput.py cache_dir=/tmp/epcache run_dir=/tmp/bench data.limit=null
+Prints a table last and writes bench_extract.json to $OUT (or the run dir).
+"""
+
+import json
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from hydra import compose, initialize_config_dir
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+from pipeline import extract, prepare, targets  # noqa: E402
+from pipeline.config import register  # noqa: E402
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def batches(cfg, ds, lengths):
+    for spec in extract.plan_shards(lengths, cfg.extract.shard_tokens):
+        for b in extract.plan_batches(spec.lengths, cfg.extract.batch_tokens, cfg.extract.max_batch_size):
+            g = [spec.sample_start + i for i in b]
+            width = int(lengths[g[0]])
+            ids = torch.zeros(len(g), width, dtype=torch.long)
+            attn = torch.zeros_like(ids)
+            for r, s in enumerate(g):
+                ids[r, : lengths[s]] = torch.tensor(ds[s])
+                attn[r, : lengths[s]] = 1
+            yield ids, attn
+
+
+def timed(fn, device) -> float:
+    sync(device)
+    t = time.perf_counter()
+    fn()
+    sync(device)
+    return time.perf_counter() - t
+
+
+def main(overrides):
+    register()
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=overrides)
+    t_prep = timed(lambda: prepare.run(cfg), torch.device("cpu"))
+    ds, stats = prepare.load_prepared(cfg.run_dir)
+    ids_all = ds["input_ids"]
+    lengths = np.array([len(x) for x in ids_all])
+    device, dtype = targets.pick_device_dtype(cfg.extract.device, cfg.extract.dtype)
+    folder = targets.resolve(cfg.target, cfg.cache_dir)
+    model = targets.load_model(folder, cfg.target, device, dtype, cfg.extract.attn_implementation)
+    aux = extract.aux_layer_ids(cfg.extract.aux_layers, model.config.num_hidden_layers)
+    pinned = [(i.to(device), a.to(device)) for i, a in batches(cfg, ids_all, lengths)]  # inputs on device first
+    base = model.get_decoder()
+
+    def prefill():
+        with torch.inference_mode():
+            for i, a in pinned:
+                base(input_ids=i, attention_mask=a, use_cache=False)
+
+    cap = extract.Capture(model, aux)
+
+    def capture():
+        for i, a in pinned:
+            x, y = cap(i, a)
+            x.cpu(), y.cpu()
+
+    prefill()  # warm-up (kernels, allocator)
+    results = {"tokens": int(lengths.sum()), "samples": len(lengths), "prepare_s": t_prep,
+               "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "dtype": str(dtype),
+               "batch_tokens": cfg.extract.batch_tokens, "batches": len(pinned),
+               "padded_tokens": int(sum(i.numel() for i, _ in pinned))}
+    results["prefill_s"] = min(timed(prefill, device) for _ in range(3))
+    results["capture_s"] = min(timed(capture, device) for _ in range(3))
+    cap.remove()
+    del model, base, pinned
+    for comp in ("none", "blosc_lz4", "blosc_zstd"):
+        cfg.extract.compressor = comp
+        shutil.rmtree(Path(cfg.run_dir) / "features", ignore_errors=True)
+        results[f"extract_{comp}_s"] = timed(lambda: extract.run(cfg), device)
+        size = sum(f.stat().st_size for f in (Path(cfg.run_dir) / "features").rglob("*") if f.is_file())
+        results[f"store_{comp}_bytes"] = size
+    out = Path(os.environ.get("OUT", cfg.run_dir)) / "bench_extract.json"
+    out.write_text(json.dumps(results, indent=1))
+    n = results["tokens"]
+    print(f"\n{results['device']} {results['dtype']} | {n} tokens, {results['samples']} samples, "
+          f"{results['batches']} batches (padding {results['padded_tokens'] / n - 1:.1%})")
+    print(f"{'what':<22}{'seconds':>10}{'tokens/s':>14}{'store MB':>10}")
+    for key in ("prefill", "capture", "extract_none", "extract_blosc_lz4", "extract_blosc_zstd"):
+        size = results.get(f"store_{key.removeprefix('extract_')}_bytes")
+        print(f"{key:<22}{results[key + '_s']:>10.2f}{n / results[key + '_s']:>14,.0f}"
+              f"{'' if size is None else f'{size / 1e6:>10.0f}'}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
