@@ -98,7 +98,7 @@ class ExtractConfig:
     attn_implementation: str = "sdpa"
     batch_tokens: int = 16384  # padded tokens per forward (length-bucketed)
     max_batch_size: int = 64
-    shard_tokens: int = 1048576  # a shard closes when the next sample would exceed this
+    shard_tokens: int = 262144  # a shard closes when the next sample would exceed this (host buffer size)
     chunk_tokens: int = 2048  # zarr chunk length along tokens
     compressor: Compressor = Compressor.blosc_zstd
     clevel: int = 3

@@ -190,13 +190,13 @@ def _extract_shards(cfg, ds, todo, capture, facts, manifest, device, hidden: int
     ex = cfg.extract
     t0, tokens_done = time.time(), 0
     bar = tqdm(total=int(sum(sum(s.lengths) for s in todo)), desc="extract", unit="tok", mininterval=1.0)
-    with ThreadPoolExecutor(max_workers=1) as writer_pool:  # compression overlaps the next forward
+    commit: Optional[Future] = None
+    with ThreadPoolExecutor(max_workers=1) as writer_pool:  # compressing shard k overlaps computing k+1
         for spec in todo:
             writer = fs.ShardWriter(out_dir(cfg), spec, facts, (n_aux * hidden, hidden), ex.chunk_tokens,
                                     str(getattr(ex.compressor, "value", ex.compressor)), ex.clevel)
             rows = ds.select(range(spec.sample_start, spec.sample_end))
             ids_all, mask_all = rows["input_ids"], rows["loss_mask"]
-            pending: list[Future] = []
             for batch in plan_batches(spec.lengths, ex.batch_tokens, ex.max_batch_size):
                 width = spec.lengths[batch[0]]
                 input_ids = torch.zeros(len(batch), width, dtype=torch.long)
@@ -206,18 +206,17 @@ def _extract_shards(cfg, ds, todo, capture, facts, manifest, device, hidden: int
                     attn[r, : spec.lengths[i]] = 1
                 aux_h, last_h = capture(input_ids.to(device), attn.to(device))
                 aux_h, last_h = aux_h.cpu(), last_h.cpu()
-                for r, i in enumerate(batch):
+                for r, i in enumerate(batch):  # a copy into the shard's host buffer
                     n = spec.lengths[i]
-                    pending.append(writer_pool.submit(writer.write, i, np.asarray(ids_all[i]), np.asarray(mask_all[i]),
-                                                      aux_h[r, :n], last_h[r, :n]))
-                while len(pending) > 4 * ex.max_batch_size:
-                    pending.pop(0).result()
+                    writer.write(i, np.asarray(ids_all[i]), np.asarray(mask_all[i]), aux_h[r, :n], last_h[r, :n])
                 bar.update(int(sum(spec.lengths[i] for i in batch)))
-            for f in pending:
-                f.result()
-            writer.commit(manifest)
+            if commit is not None:
+                commit.result()  # at most one shard compressing while the next one computes
+            commit = writer_pool.submit(writer.commit, manifest)
             tokens_done += sum(spec.lengths)
             bar.set_postfix(shard=spec.index, tok_s=f"{tokens_done / (time.time() - t0):.0f}")
+        if commit is not None:
+            commit.result()
     bar.close()
     log.info("extract: %d tokens written in %.1f s (%.0f tokens/s)", tokens_done, time.time() - t0,
              tokens_done / max(time.time() - t0, 1e-9))

@@ -126,33 +126,25 @@ class ShardSpec:
 
 
 class ShardWriter:
-    """Writes one shard under a temporary name; `commit()` renames it and enters it in the manifest."""
+    """Writes one shard under a temporary name; `commit()` renames it and enters it in the manifest.
+
+    Samples arrive in any order (extract batches by length), so they are gathered in a host buffer and
+    written once, chunk-aligned, at commit: writing samples straight into compressed chunks would decode
+    and re-encode each chunk once per sample it holds. Memory = shard tokens x (n_aux+1) x H x 2 bytes.
+    """
 
     def __init__(self, root: Path, spec: ShardSpec, facts: dict, widths: tuple[int, int],
                  chunk_tokens: int = 2048, compressor: str = "blosc_zstd", clevel: int = 3):
-        self.root, self.spec = Path(root), spec
+        self.root, self.spec, self.facts = Path(root), spec, facts
         self.final = self.root / shard_name(spec.index)
         self.tmp = self.root / (shard_name(spec.index) + ".tmp")
-        if self.tmp.exists():
-            shutil.rmtree(self.tmp)
         self.offsets = np.zeros(len(spec.lengths) + 1, dtype=np.int64)
         np.cumsum(spec.lengths, out=self.offsets[1:])
         total = int(self.offsets[-1])
-        self.group = zarr.open_group(str(self.tmp), mode="w", zarr_format=3)
-        self.group.attrs.update({**facts, "sample_range": [spec.sample_start, spec.sample_end],
-                                 "num_tokens": total, "shard_index": spec.index})
-        comp = make_compressors(compressor, clevel)
-        chunk = max(1, min(chunk_tokens, total))
-        self.arrays: dict[str, Any] = {}
-        for name, dtype, width in (("input_ids", "int32", None), ("loss_mask", "uint8", None),
-                                   ("aux_hidden", STORAGE_DTYPE, widths[0]), ("last_hidden", STORAGE_DTYPE, widths[1])):
-            shape, chunks = ((total,), (chunk,)) if width is None else ((total, width), (chunk, width))
-            arr = self.group.create_array(name, shape=shape, chunks=chunks, dtype=dtype, compressors=comp,
-                                          fill_value=0)
-            if width is not None:
-                arr.attrs.update({"logical_dtype": LOGICAL_DTYPE, "storage_dtype": STORAGE_DTYPE})
-            self.arrays[name] = arr
-        self.group.create_array("offsets", data=self.offsets, compressors=None)
+        self.chunk, self.compressors = max(1, min(chunk_tokens, total)), make_compressors(compressor, clevel)
+        self.buffers = {"input_ids": np.zeros(total, np.int32), "loss_mask": np.zeros(total, np.uint8),
+                        "aux_hidden": np.zeros((total, widths[0]), np.uint16),
+                        "last_hidden": np.zeros((total, widths[1]), np.uint16)}
         self.written = np.zeros(len(spec.lengths), dtype=bool)
 
     def write(self, local_index: int, input_ids: np.ndarray, loss_mask: np.ndarray,
@@ -161,21 +153,34 @@ class ShardWriter:
         n = b - a
         if not (len(input_ids) == len(loss_mask) == aux_hidden.shape[0] == last_hidden.shape[0] == n):
             raise ValueError(f"sample {self.spec.sample_start + local_index}: lengths disagree with the plan ({n})")
-        self.arrays["input_ids"][a:b] = np.asarray(input_ids, dtype=np.int32)
-        self.arrays["loss_mask"][a:b] = np.asarray(loss_mask, dtype=np.uint8)
-        self.arrays["aux_hidden"][a:b] = bf16_to_bits(aux_hidden)
-        self.arrays["last_hidden"][a:b] = bf16_to_bits(last_hidden)
+        self.buffers["input_ids"][a:b] = input_ids
+        self.buffers["loss_mask"][a:b] = loss_mask
+        self.buffers["aux_hidden"][a:b] = bf16_to_bits(aux_hidden)
+        self.buffers["last_hidden"][a:b] = bf16_to_bits(last_hidden)
         self.written[local_index] = True
 
     def commit(self, manifest: dict) -> None:
         missing = np.flatnonzero(~self.written)
         if len(missing):
             raise RuntimeError(f"shard {self.spec.index}: {len(missing)} samples never written")
+        if self.tmp.exists():
+            shutil.rmtree(self.tmp)
+        group = zarr.open_group(str(self.tmp), mode="w", zarr_format=3)
+        group.attrs.update({**self.facts, "sample_range": [self.spec.sample_start, self.spec.sample_end],
+                            "num_tokens": int(self.offsets[-1]), "shard_index": self.spec.index})
+        for name, data in self.buffers.items():
+            arr = group.create_array(name, shape=data.shape, chunks=(self.chunk, *data.shape[1:]), dtype=data.dtype,
+                                     compressors=self.compressors, fill_value=0)
+            if data.ndim == 2:
+                arr.attrs.update({"logical_dtype": LOGICAL_DTYPE, "storage_dtype": STORAGE_DTYPE})
+            arr[...] = data
+        group.create_array("offsets", data=self.offsets, compressors=None)
         os.replace(self.tmp, self.final)
         manifest["shards"].append({"name": self.final.name, "sample_start": self.spec.sample_start,
                                    "sample_end": self.spec.sample_end, "num_tokens": int(self.offsets[-1])})
         manifest["shards"].sort(key=lambda s: s["sample_start"])
         write_manifest(self.root, manifest)
+        self.buffers.clear()
 
 
 # ------------------------------------------------------------------------------------------------- reader
