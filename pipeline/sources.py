@@ -103,11 +103,11 @@ def chitchat_conversations(path: Optional[str], limit: Optional[int] = None) -> 
             if not message:
                 continue
             sender = message[0]["sender"]
-            first_sender = first_sender or sender
-            role = "user" if sender == first_sender else "assistant"
             text = " ".join(u["text"].strip() for u in message if u.get("text", "").strip())
             if not text:
                 continue
+            first_sender = first_sender or sender  # the first sender who says something is the user
+            role = "user" if sender == first_sender else "assistant"
             if turns and turns[-1]["role"] == role:  # consecutive messages of one speaker: merged
                 turns[-1]["content"] += " " + text
             else:
