@@ -37,7 +37,7 @@ def test_chitchat_first_speaker_is_user_and_same_speaker_messages_merge(tmp_path
 def test_embedded_chitchat_loads_real_conversations():
     convs, problems = load_conversations(data_cfg(None, "chitchat", limit=5))
     assert len(convs) == 5 and all(any(m["role"] == "assistant" for m in c["messages"]) for c in convs)
-    assert problems.counts["no assistant turn"] == 3150  # one-speaker chats in the real data set, counted
+    assert problems.counts["no assistant turn"] == 3151  # one-speaker chats in the real data set, counted
 
 
 def test_malformed_json_lines_are_skipped_with_a_count(tmp_path):
