@@ -107,6 +107,11 @@ class ExtractConfig:
 
 
 @dataclass
+class VocabConfig:
+    draft_vocab_size: int = 32000
+
+
+@dataclass
 class Config:
     stage: Stage = Stage.all
     run_name: str = "default"
@@ -117,6 +122,7 @@ class Config:
     data: DataConfig = MISSING
     prepare: PrepareConfig = field(default_factory=PrepareConfig)
     extract: ExtractConfig = field(default_factory=ExtractConfig)
+    vocab: VocabConfig = field(default_factory=VocabConfig)
 
 
 def register() -> None:
@@ -126,3 +132,4 @@ def register() -> None:
     cs.store(group="data", name="base_data", node=DataConfig)
     cs.store(group="prepare", name="base_prepare", node=PrepareConfig)
     cs.store(group="extract", name="base_extract", node=ExtractConfig)
+    cs.store(group="vocab", name="base_vocab", node=VocabConfig)

@@ -243,6 +243,16 @@ class FeatureStore:
         return np.concatenate([np.diff(self._group(s["name"])[1]) for s in self.shards]) if self.shards \
             else np.zeros(0, dtype=np.int64)
 
+    def iter_tokens(self) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        """(input_ids, loss_mask) of each shard, without reading hidden states."""
+        for s in self.shards:
+            group, _ = self._group(s["name"])
+            yield group["input_ids"][:], group["loss_mask"][:]
+
+    def manifest_hash(self) -> str:
+        import hashlib
+        return hashlib.sha256((self.root / MANIFEST).read_bytes()).hexdigest()[:16]
+
     @staticmethod
     def _slice(group, a: int, b: int) -> dict[str, torch.Tensor]:
         return {

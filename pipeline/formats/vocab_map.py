@@ -1,0 +1,88 @@
+"""Draft vocabulary: d2t offsets and the t2d mask (docs/conventions.md#d2t). Pure module.
+
+    vocab/
+      vocab.safetensors   d2t int64 [draft_vocab]  (target_id = draft_id + d2t[draft_id])
+                          t2d bool  [target_vocab] (true exactly at the used target ids)
+      token_freq.npy      int64 [target_vocab]     supervised-token counts it was built from
+      manifest.json       schema, sizes, features manifest hash, coverage, producer
+
+Invariants, checked when written and whenever loaded (`validate`): len(d2t) == draft vocab; i + d2t[i]
+strictly increasing and inside [0, V); t2d.sum() == draft vocab; t2d true exactly at i + d2t[i]. An
+absolute-id table (d2t[i] = target id) breaks the last one and is rejected.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+
+SCHEMA_VERSION = 1
+FORMAT = "eaglepipe-vocab"
+
+
+class VocabError(Exception):
+    """A d2t/t2d pair that breaks the offset-table invariants."""
+
+
+def build(freq: np.ndarray, draft_vocab_size: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Top-`draft_vocab_size` ids by count (ties: lower id first), padded with the lowest unused ids when
+    fewer were seen (speculators' rule). Returns (d2t, t2d, number of padded ids)."""
+    from speculators.train.vocab_mapping import build_vocab_mappings_from_distribution
+
+    seen = {int(i): int(freq[i]) for i in np.flatnonzero(freq)}
+    d2t, t2d = build_vocab_mappings_from_distribution(seen, draft_vocab_size, len(freq))
+    validate(d2t, t2d, len(freq), draft_vocab_size)
+    return d2t, t2d, max(0, draft_vocab_size - len(seen))
+
+
+def validate(d2t: torch.Tensor, t2d: torch.Tensor, target_vocab_size: int, draft_vocab_size: int | None = None) -> None:
+    problems = []
+    if d2t.dtype != torch.int64 or d2t.ndim != 1:
+        problems.append(f"d2t must be 1-D int64, got {tuple(d2t.shape)} {d2t.dtype}")
+    if t2d.dtype != torch.bool or t2d.shape != (target_vocab_size,):
+        problems.append(f"t2d must be bool [{target_vocab_size}], got {tuple(t2d.shape)} {t2d.dtype}")
+    if draft_vocab_size is not None and d2t.shape[0] != draft_vocab_size:
+        problems.append(f"len(d2t)={d2t.shape[0]} != draft vocab {draft_vocab_size}")
+    if problems:
+        raise VocabError("; ".join(problems))
+    target = torch.arange(d2t.shape[0]) + d2t
+    if not bool((target[1:] > target[:-1]).all()):
+        problems.append("i + d2t[i] is not strictly increasing")
+    if target.numel() and (int(target.min()) < 0 or int(target.max()) >= target_vocab_size):
+        problems.append(f"i + d2t[i] leaves [0, {target_vocab_size})")
+    if int(t2d.sum()) != d2t.shape[0]:
+        problems.append(f"t2d.sum()={int(t2d.sum())} != len(d2t)={d2t.shape[0]}")
+    ok = target.clamp(0, target_vocab_size - 1)
+    if not problems and not bool(t2d[ok].all()):
+        problems.append("t2d is not true at i + d2t[i]: d2t looks like absolute target ids, not offsets")
+    if problems:
+        raise VocabError("; ".join(problems))
+
+
+def save(out: Path, d2t: torch.Tensor, t2d: torch.Tensor, freq: np.ndarray, info: dict) -> None:
+    validate(d2t, t2d, len(freq))
+    out.mkdir(parents=True, exist_ok=True)
+    save_file({"d2t": d2t.contiguous(), "t2d": t2d.contiguous()}, str(out / "vocab.safetensors"))
+    np.save(out / "token_freq.npy", freq.astype(np.int64))
+    manifest = {"format": FORMAT, "schema_version": SCHEMA_VERSION, "draft_vocab_size": int(d2t.shape[0]),
+                "target_vocab_size": len(freq), "d2t_semantics": "target_id = draft_id + d2t[draft_id]", **info}
+    tmp = out / "manifest.json.tmp"
+    tmp.write_text(json.dumps(manifest, indent=1, sort_keys=True))
+    os.replace(tmp, out / "manifest.json")  # written last: its presence means complete
+
+
+def load(out: Path) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    out = Path(out)
+    if not (out / "manifest.json").is_file():
+        raise VocabError(f"no draft vocabulary at {out}")
+    manifest = json.loads((out / "manifest.json").read_text())
+    if manifest.get("format") != FORMAT or manifest.get("schema_version") != SCHEMA_VERSION:
+        raise VocabError(f"{out}: not an {FORMAT} schema {SCHEMA_VERSION} folder")
+    tensors = load_file(str(out / "vocab.safetensors"))
+    validate(tensors["d2t"], tensors["t2d"], manifest["target_vocab_size"], manifest["draft_vocab_size"])
+    return tensors["d2t"], tensors["t2d"], manifest

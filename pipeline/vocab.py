@@ -1,0 +1,86 @@
+"""Stage `vocab`: the draft vocabulary from supervised-token counts of the feature store.
+
+Counts input_ids where loss_mask == 1 (what the draft must predict; as speculators and SpecForge do), keeps
+the top `vocab.draft_vocab_size`, and writes run_dir/vocab/ (pipeline/formats/vocab_map.py) with a
+report: share of supervised tokens covered, distinct ids seen, ids padded in, the top tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import numpy as np
+
+from pipeline import __version__, targets
+from pipeline.errors import UserError
+from pipeline.formats import feature_store as fs
+from pipeline.formats import vocab_map
+from pipeline.stages import digest
+
+log = logging.getLogger(__name__)
+
+
+def out_dir(cfg) -> Path:
+    return Path(cfg.run_dir) / "vocab"
+
+
+def open_store(cfg) -> fs.FeatureStore:
+    try:
+        store = fs.FeatureStore(Path(cfg.run_dir) / "features")
+    except fs.StoreError as e:
+        raise UserError(f"{e}; run stage=extract first") from None
+    if not store.manifest.get("complete"):
+        raise UserError(f"the feature store in {cfg.run_dir}/features is incomplete; rerun stage=extract")
+    return store
+
+
+def fingerprint(cfg) -> str:
+    manifest = Path(cfg.run_dir) / "features" / fs.MANIFEST
+    return digest({"features": manifest.read_text() if manifest.exists() else None,
+                   "draft_vocab_size": cfg.vocab.draft_vocab_size})
+
+
+def is_complete(cfg) -> bool:
+    return (out_dir(cfg) / "manifest.json").is_file()
+
+
+def run(cfg) -> Path:
+    store = open_store(cfg)
+    V, K = int(store.facts["vocab_size"]), cfg.vocab.draft_vocab_size
+    if not 1 <= K <= V:
+        raise UserError(f"vocab.draft_vocab_size={K}: must be in [1, {V}] (the target vocabulary)")
+    freq = np.zeros(V, dtype=np.int64)
+    for ids, mask in store.iter_tokens():
+        np.add.at(freq, ids[mask.astype(bool)], 1)
+    d2t, t2d, padded = vocab_map.build(freq, K)
+    if padded:
+        log.warning("vocab: only %d distinct supervised ids seen; %d lowest unused ids padded in to reach %d",
+                    K - padded, padded, K)
+    used = (np.arange(K) + d2t.numpy())
+    coverage = float(freq[used].sum() / max(freq.sum(), 1))
+    tok = targets.load_tokenizer(Path(store.facts["target_path"]), cfg.target)
+    top = np.argsort(-freq, kind="stable")[:20]
+    report = {"supervised_tokens": int(freq.sum()), "distinct_ids_seen": int((freq > 0).sum()),
+              "padded_ids": padded, "coverage": coverage,
+              "top_tokens": [{"id": int(i), "token": tok.convert_ids_to_tokens(int(i)), "count": int(freq[i])}
+                             for i in top if freq[i] > 0]}
+    info = {"produced_by": f"eaglepipe {__version__}", "features_manifest_hash": store.manifest_hash(),
+            "target_fingerprint": store.facts["target_fingerprint"], "coverage": coverage, "padded_ids": padded}
+    vocab_map.save(out_dir(cfg), d2t, t2d, freq, info)
+    (out_dir(cfg) / "report.json").write_text(json.dumps(report, indent=1))
+    log.info("vocab: %d draft ids cover %.2f%% of %d supervised tokens (%d distinct seen, %d padded)",
+             K, 100 * coverage, freq.sum(), report["distinct_ids_seen"], padded)
+    return out_dir(cfg)
+
+
+def load_checked(cfg, store: fs.FeatureStore):
+    """(d2t, t2d, manifest) of run_dir/vocab, refusing a vocabulary built from other features."""
+    try:
+        d2t, t2d, manifest = vocab_map.load(out_dir(cfg))
+    except vocab_map.VocabError as e:
+        raise UserError(f"{e}; run stage=vocab") from None
+    if manifest["features_manifest_hash"] != store.manifest_hash():
+        raise UserError(f"{out_dir(cfg)} was built from other features than {store.root}; rerun stage=vocab")
+    return d2t, t2d, manifest
