@@ -112,6 +112,39 @@ class VocabConfig:
 
 
 @dataclass
+class WandbConfig:
+    mode: str = "offline"  # offline | online (needs a key) | disabled
+    project: str = "eaglepipe"
+    name: Optional[str] = None  # null = run_name
+
+
+@dataclass
+class TrainConfig:
+    ttt_steps: int = 3  # test-time-training unroll: draft positions trained per token
+    ttt_step_loss_decay: float = 1.0
+    loss: str = "kl_div"  # speculators loss spec (eager implementation)
+    tokens_per_pack: int = 4096  # tokens per micro-batch (packed samples, no cross-sample attention)
+    grad_accum: int = 1
+    epochs: int = 1
+    max_steps: Optional[int] = None  # null = epochs x packs / grad_accum
+    lr: float = 3e-4
+    weight_decay: float = 0.0
+    schedule: str = "cosine"  # transformers get_scheduler name: cosine | linear | constant_with_warmup
+    warmup_steps: int = 10
+    max_grad_norm: float = 1.0
+    val_fraction: float = 0.05  # held out by sample
+    val_every_steps: int = 50
+    log_every_steps: int = 5
+    save_every_steps: int = 100
+    keep_last: int = 2
+    resume: str = "auto"  # auto | never
+    num_workers: int = 1  # DataLoader prefetch workers
+    device: str = "auto"
+    attn_implementation: str = "sdpa"  # FlexAttention has no CPU backward: sdpa/eager on CPU
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+
+
+@dataclass
 class Config:
     stage: Stage = Stage.all
     run_name: str = "default"
@@ -123,6 +156,7 @@ class Config:
     prepare: PrepareConfig = field(default_factory=PrepareConfig)
     extract: ExtractConfig = field(default_factory=ExtractConfig)
     vocab: VocabConfig = field(default_factory=VocabConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
 
 
 def register() -> None:
@@ -133,3 +167,4 @@ def register() -> None:
     cs.store(group="prepare", name="base_prepare", node=PrepareConfig)
     cs.store(group="extract", name="base_extract", node=ExtractConfig)
     cs.store(group="vocab", name="base_vocab", node=VocabConfig)
+    cs.store(group="train", name="base_train", node=TrainConfig)

@@ -1,0 +1,53 @@
+"""Training checkpoints: train/step_NNNNNN/ = accelerate `save_state` + train_state.json. Pure module.
+
+A checkpoint is written under `step_NNNNNN.tmp`, renamed when complete; `train_state.json` inside it is
+what resume reads (never the directory name). The newest K complete checkpoints are kept.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Optional
+
+SCHEMA_VERSION = 1
+STATE = "train_state.json"
+
+
+def step_dir(root: Path, step: int) -> Path:
+    return Path(root) / f"step_{step:06d}"
+
+
+def begin(root: Path, step: int) -> Path:
+    tmp = step_dir(root, step).with_suffix(".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    return tmp
+
+
+def finish(root: Path, tmp: Path, state: dict, keep_last: int) -> Path:
+    (tmp / STATE).write_text(json.dumps({"schema_version": SCHEMA_VERSION, **state}, indent=1, sort_keys=True))
+    final = step_dir(root, state["optimizer_step"])
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(tmp, final)
+    for old in complete(root)[:-keep_last] if keep_last else []:
+        shutil.rmtree(old[0])
+    return final
+
+
+def complete(root: Path) -> list[tuple[Path, dict]]:
+    """Complete checkpoints, oldest first, ordered by the step recorded inside them."""
+    found = []
+    for d in Path(root).glob("step_*"):
+        if d.is_dir() and not d.name.endswith(".tmp") and (d / STATE).is_file():
+            state = json.loads((d / STATE).read_text())
+            if state.get("schema_version") == SCHEMA_VERSION:
+                found.append((d, state))
+    return sorted(found, key=lambda x: x[1]["optimizer_step"])
+
+
+def latest(root: Path) -> Optional[tuple[Path, dict]]:
+    found = complete(root)
+    return found[-1] if found else None

@@ -1,0 +1,288 @@
+"""Stage `train`: the EAGLE-3 draft (speculators' Eagle3DraftModel) trained by our loop under accelerate.
+
+Accelerator -> set_seed -> data (packed, deterministic, sharded per rank) -> model -> optimizer/scheduler ->
+prepare -> loop with accumulate / backward / clip / step and TTT unrolled inside the model's forward (eager
+loss) -> checkpoints every N steps (resume=auto continues from the newest complete one, bit-identical on
+CPU) -> train/final/ (speculators save_pretrained) + metrics.jsonl + plots/ (+ wandb).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+from omegaconf import OmegaConf
+from tqdm import tqdm
+
+from pipeline import __version__, draft, targets
+from pipeline.errors import UserError
+from pipeline.features_dataset import PackDataset, plan_packs, shard_for_rank, split
+from pipeline.formats import checkpoint, vocab_map
+from pipeline.formats import feature_store as fs
+from pipeline.stages import digest
+
+log = logging.getLogger(__name__)
+
+
+def out_dir(cfg) -> Path:
+    return Path(cfg.run_dir) / "train"
+
+
+def check(cfg) -> None:
+    t, problems = cfg.train, []
+    for key in ("ttt_steps", "tokens_per_pack", "grad_accum", "epochs", "keep_last", "log_every_steps"):
+        if t[key] < 1:
+            problems.append(f"train.{key}={t[key]} must be >= 1")
+    if not 0 <= t.val_fraction < 1:
+        problems.append(f"train.val_fraction={t.val_fraction} must be in [0, 1)")
+    if t.wandb.mode not in ("offline", "online", "disabled"):
+        problems.append(f"train.wandb.mode={t.wandb.mode}: offline, online or disabled")
+    if problems:
+        raise UserError("; ".join(problems))
+
+
+def fingerprint(cfg) -> str:
+    vocab_manifest = Path(cfg.run_dir) / "vocab" / "manifest.json"
+    return digest({"vocab": vocab_manifest.read_text() if vocab_manifest.exists() else None, "seed": cfg.seed,
+                   "train": OmegaConf.to_container(cfg.train, resolve=True)})
+
+
+def is_complete(cfg) -> bool:
+    return (out_dir(cfg) / "final" / "train_summary.json").is_file()
+
+
+def load_inputs(cfg):
+    try:
+        store = fs.FeatureStore(Path(cfg.run_dir) / "features")
+    except fs.StoreError as e:
+        raise UserError(f"{e}; run stage=extract first") from None
+    try:
+        d2t, t2d, vman = vocab_map.load(Path(cfg.run_dir) / "vocab")
+    except vocab_map.VocabError as e:
+        raise UserError(f"{e}; run stage=vocab first") from None
+    if vman["features_manifest_hash"] != store.manifest_hash():
+        raise UserError(f"{cfg.run_dir}/vocab was built from other features than {store.root}; rerun stage=vocab")
+    return store, d2t, t2d, vman
+
+
+def make_accelerator(cfg):
+    from accelerate import Accelerator
+
+    t = cfg.train
+    cpu = t.device == "cpu" or (t.device == "auto" and not torch.cuda.is_available())
+    trackers = None
+    if t.wandb.mode != "disabled":
+        try:
+            import wandb  # noqa: F401  (lazy: the GPU image has no wandb)
+        except ImportError:
+            raise UserError("train.wandb.mode needs the wandb package; install it or set train.wandb.mode=disabled") from None
+        trackers = "wandb"
+    return Accelerator(cpu=cpu, mixed_precision="no" if cpu else "bf16", gradient_accumulation_steps=t.grad_accum,
+                       log_with=trackers, project_dir=str(out_dir(cfg)))
+
+
+def run(cfg) -> Path:
+    from accelerate.utils import set_seed
+    from speculators.losses.utils import resolve_loss_config
+    from transformers import get_scheduler
+
+    check(cfg)
+    t = cfg.train
+    store, d2t, t2d, vman = load_inputs(cfg)
+    accelerator = make_accelerator(cfg)
+    set_seed(cfg.seed)
+    folder = Path(store.facts["target_path"])
+    target_hf = targets.load_config(folder, cfg.target)
+    if target_hf.hidden_size != store.hidden_size:
+        raise UserError(f"target hidden size {target_hf.hidden_size} != feature store's {store.hidden_size}")
+    lengths = store.sample_lengths()
+    train_idx, val_idx = split(len(lengths), t.val_fraction, cfg.seed)
+    epochs = [shard_for_rank(plan_packs(train_idx, lengths, t.tokens_per_pack, cfg.seed, e), accelerator.process_index,
+                             accelerator.num_processes) for e in range(t.epochs)]
+    steps_per_epoch = [len(p) // t.grad_accum for p in epochs]
+    total_steps = min(sum(steps_per_epoch), t.max_steps or sum(steps_per_epoch))
+    if total_steps < 1:
+        raise UserError(f"no optimizer step fits: {len(train_idx)} training samples make {len(epochs[0])} packs "
+                        f"per rank, fewer than train.grad_accum={t.grad_accum}; lower tokens_per_pack or add data")
+    val_packs = shard_for_rank(plan_packs(val_idx, lengths, t.tokens_per_pack, cfg.seed, 0, shuffle=False),
+                               accelerator.process_index, accelerator.num_processes)
+    model = draft.build(folder, target_hf, store.aux_layer_ids, d2t, t2d, t.ttt_steps, t.attn_implementation)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=t.lr, weight_decay=t.weight_decay, betas=(0.9, 0.95))
+    scheduler = get_scheduler(t.schedule, optimizer, num_warmup_steps=t.warmup_steps, num_training_steps=total_steps)
+    model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+    loss_config = resolve_loss_config(t.loss, "eager")
+    fwd = dict(ttt_steps=t.ttt_steps, ttt_step_loss_decay=t.ttt_step_loss_decay, loss_config=loss_config)
+    root = out_dir(cfg)
+    root.mkdir(parents=True, exist_ok=True)
+    upstream = {"features_manifest_hash": store.manifest_hash(), "vocab_coverage": vman["coverage"],
+                "target_fingerprint": store.facts["target_fingerprint"]}
+    step, epoch, done_in_epoch = 0, 0, 0
+    found = checkpoint.latest(root) if t.resume == "auto" else None
+    if found:
+        accelerator.load_state(str(found[0]))
+        state = found[1]
+        if state["upstream"] != upstream or state["seed"] != cfg.seed:
+            raise UserError(f"checkpoint {found[0]} was trained on other inputs; use a new run_dir or train.resume=never")
+        step, epoch, done_in_epoch = state["optimizer_step"], state["epoch"], state["batches_done_in_epoch"]
+        log.info("train: resumed from %s (step %d, epoch %d, %d batches into it)", found[0], step, epoch, done_in_epoch)
+    if accelerator.is_main_process:
+        log.info("train: %d train / %d val samples, %d packs/epoch/rank of <= %d tokens, %d ranks, %d steps, "
+                 "aux layers %s (from the feature store), draft vocab %d, %d trainable params",
+                 len(train_idx), len(val_idx), len(epochs[0]), t.tokens_per_pack, accelerator.num_processes,
+                 total_steps, store.aux_layer_ids, len(d2t), sum(p.numel() for p in trainable))
+    if t.wandb.mode != "disabled":
+        accelerator.init_trackers(t.wandb.project, config=OmegaConf.to_container(cfg, resolve=True),
+                                  init_kwargs={"wandb": {"mode": t.wandb.mode, "name": t.wandb.name or cfg.run_name,
+                                                         "dir": str(root)}})
+    metrics_file = root / "metrics.jsonl"
+    if step == 0:
+        metrics_file.unlink(missing_ok=True)
+        _log(accelerator, metrics_file, {"split": "val", **_validate(accelerator, model, cfg, val_packs, fwd)}, 0)
+
+    window, t0, window_tokens = defaultdict(float), time.time(), 0
+    bar = tqdm(total=total_steps, initial=step, disable=not accelerator.is_local_main_process, desc="train")
+    while step < total_steps and epoch < t.epochs:
+        loader = torch.utils.data.DataLoader(PackDataset(store.root, epochs[epoch][done_in_epoch:], t.tokens_per_pack),
+                                             batch_size=None, shuffle=False, num_workers=t.num_workers,
+                                             persistent_workers=False)
+        model.train()
+        for batch in loader:
+            batch = {k: v.to(accelerator.device) for k, v in batch.items()}
+            with accelerator.accumulate(model):
+                _, loss, m = model(**_cast(batch, accelerator), **fwd)
+                accelerator.backward(loss)
+                if accelerator.sync_gradients and t.max_grad_norm:
+                    accelerator.clip_grad_norm_(trainable, t.max_grad_norm)
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad(set_to_none=True)
+            done_in_epoch += 1
+            window_tokens += batch["input_ids"].numel()
+            for k, v in m.items():
+                window[k] += float(v)
+            if not accelerator.sync_gradients:
+                continue
+            step += 1
+            bar.update(1)
+            if step % t.log_every_steps == 0 or step == total_steps:
+                rec = {"split": "train", **_summarise(window, t.ttt_steps), "lr": scheduler.get_last_lr()[0],
+                       "epoch": epoch, "tokens_per_s": window_tokens * accelerator.num_processes / (time.time() - t0)}
+                bar.set_description(f"train|ep {epoch}|step {step}|loss {rec['loss']:.3f}")
+                _log(accelerator, metrics_file, rec, step)
+                window, t0, window_tokens = defaultdict(float), time.time(), 0
+            if step % t.val_every_steps == 0 and step < total_steps:
+                _log(accelerator, metrics_file, {"split": "val", **_validate(accelerator, model, cfg, val_packs, fwd)}, step)
+                model.train()
+            if step % t.save_every_steps == 0 or step == total_steps:
+                _save(accelerator, root, {"optimizer_step": step, "epoch": epoch, "batches_done_in_epoch": done_in_epoch,
+                                          "seed": cfg.seed, "upstream": upstream}, t.keep_last)
+            if step >= total_steps:
+                break
+        if done_in_epoch >= len(epochs[epoch]) - len(epochs[epoch]) % t.grad_accum:
+            epoch, done_in_epoch = epoch + 1, 0
+    bar.close()
+    final_val = _validate(accelerator, model, cfg, val_packs, fwd)
+    _log(accelerator, metrics_file, {"split": "val", **final_val}, step)
+    _finish(accelerator, model, cfg, root, step, final_val, upstream)
+    accelerator.end_training()
+    return root
+
+
+def _cast(batch: dict, accelerator) -> dict:
+    dtype = torch.bfloat16 if accelerator.mixed_precision == "bf16" else torch.float32
+    out = dict(batch)
+    for k in ("hidden_states", "verifier_last_hidden_states"):
+        out[k] = batch[k].to(dtype)
+    return out
+
+
+def _summarise(sums: dict, ttt_steps: int, prefix: str = "") -> dict:
+    out = {f"{prefix}loss": sums.get("loss_sum", 0.0) / max(sums.get("loss_total", 0.0), 1e-9)}
+    for k in range(ttt_steps):
+        out[f"{prefix}loss_{k}"] = sums.get(f"loss_{k}_sum", 0.0) / max(sums.get(f"loss_{k}_total", 0.0), 1e-9)
+        for name in ("full_acc", "cond_acc"):
+            total = sums.get(f"{name}_{k}_total", 0.0)
+            out[f"{prefix}{name}_{k}"] = sums.get(f"{name}_{k}_sum", 0.0) / total if total else float("nan")
+    return out
+
+
+@torch.no_grad()
+def _validate(accelerator, model, cfg, packs: list, fwd: dict) -> dict:
+    model.eval()
+    sums = defaultdict(float)
+    store = fs.FeatureStore(Path(cfg.run_dir) / "features")
+    from pipeline.features_dataset import collate
+    for pack in packs:
+        batch = {k: v.to(accelerator.device) for k, v in collate(store, pack, cfg.train.tokens_per_pack).items()}
+        _, _, m = model(**_cast(batch, accelerator), **fwd)
+        for k, v in m.items():
+            sums[k] += float(v)
+    keys = sorted(sums)
+    total = accelerator.reduce(torch.tensor([sums[k] for k in keys], device=accelerator.device), reduction="sum")
+    return _summarise(dict(zip(keys, total.tolist())), cfg.train.ttt_steps)
+
+
+def _log(accelerator, path: Path, rec: dict, step: int) -> None:
+    if accelerator.is_main_process:
+        with open(path, "a") as f:
+            f.write(json.dumps({"step": step, **rec}) + "\n")
+        if rec["split"] == "val":
+            log.info("step %d val: %s", step, " ".join(f"{k}={v:.4f}" for k, v in rec.items()
+                                                      if k.startswith(("loss", "full_acc"))))
+    prefix = rec["split"] + "/"
+    accelerator.log({prefix + k: v for k, v in rec.items() if isinstance(v, (int, float))}, step=step)
+
+
+def _save(accelerator, root: Path, state: dict, keep_last: int) -> None:
+    accelerator.wait_for_everyone()
+    tmp = checkpoint.begin(root, state["optimizer_step"]) if accelerator.is_main_process else None
+    accelerator.wait_for_everyone()
+    accelerator.save_state(str(checkpoint.step_dir(root, state["optimizer_step"]).with_suffix(".tmp")))
+    if accelerator.is_main_process:
+        checkpoint.finish(root, tmp, state, keep_last)
+    accelerator.wait_for_everyone()
+
+
+def _finish(accelerator, model, cfg, root: Path, step: int, final_val: dict, upstream: dict) -> None:
+    accelerator.wait_for_everyone()
+    if not accelerator.is_main_process:
+        return
+    final = root / "final"
+    accelerator.unwrap_model(model).save_pretrained(str(final))
+    rows = [json.loads(line) for line in (root / "metrics.jsonl").read_text().splitlines()]
+    first_val = next(r for r in rows if r["split"] == "val")
+    summary = {"produced_by": f"eaglepipe {__version__}", "optimizer_steps": step, "upstream": upstream,
+               "val_before": first_val, "val_after": final_val,
+               "config": OmegaConf.to_container(cfg, resolve=True)}
+    (final / "train_summary.json").write_text(json.dumps(summary, indent=1, default=str))
+    _plot(rows, root / "plots", cfg.train.ttt_steps)
+    log.info("train: val full_acc_0 %.4f -> %.4f after %d steps; draft saved to %s",
+             first_val["full_acc_0"], final_val["full_acc_0"], step, final)
+
+
+def _plot(rows: list[dict], out: Path, ttt_steps: int) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out.mkdir(parents=True, exist_ok=True)
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for split, style in (("train", "-"), ("val", "o--")):
+        pts = [r for r in rows if r["split"] == split]
+        for k in range(ttt_steps):
+            xs = [r["step"] for r in pts]
+            axes[0].plot(xs, [r[f"loss_{k}"] for r in pts], style, label=f"{split} loss_{k}")
+            axes[1].plot(xs, [r[f"full_acc_{k}"] for r in pts], style, label=f"{split} full_acc_{k}")
+    for ax, title in zip(axes, ("loss per TTT step", "full accuracy per TTT step")):
+        ax.set_title(title)
+        ax.set_xlabel("optimizer step")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out / "curves.png", dpi=100)
+    plt.close(fig)
