@@ -38,6 +38,12 @@ class TargetConfig:
     hidden_size: int = MISSING
     vocab_size: int = MISSING
     trust_remote_code: bool = False
+    # Declared layer shape, used only to build the draft without the checkpoint (meta-device sizing);
+    # with a real folder the draft always takes these from its config.json.
+    num_attention_heads: Optional[int] = None
+    num_key_value_heads: Optional[int] = None
+    head_dim: Optional[int] = None
+    intermediate_size: Optional[int] = None
 
 
 class DataFormat(str, Enum):

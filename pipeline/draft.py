@@ -32,8 +32,9 @@ def layer_config(target_hf, attn: str, overrides: Optional[dict] = None) -> Llam
     return cfg
 
 
-def build(target_folder: Optional[Path], target_hf, aux_ids: list[int], d2t: torch.Tensor, t2d: torch.Tensor,
-          ttt_steps: int, attn: str = "sdpa", load_target_weights: bool = True, overrides: Optional[dict] = None):
+def build(target_folder: Optional[Path], target_hf, aux_ids: list[int], d2t: Optional[torch.Tensor],
+          t2d: Optional[torch.Tensor], ttt_steps: int, attn: str = "sdpa", load_target_weights: bool = True,
+          overrides: Optional[dict] = None, draft_vocab_size: Optional[int] = None):
     from speculators.config import SpeculatorsConfig, VerifierConfig
     from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
     from speculators.proposals.greedy import GreedyTokenProposalConfig
@@ -41,14 +42,15 @@ def build(target_folder: Optional[Path], target_hf, aux_ids: list[int], d2t: tor
     verifier = (VerifierConfig.from_pretrained(str(target_folder)) if target_folder is not None
                 else VerifierConfig(name_or_path=None, architectures=list(getattr(target_hf, "architectures", None) or [])))
     config = Eagle3SpeculatorConfig(
-        transformer_layer_config=layer_config(target_hf, attn, overrides), draft_vocab_size=int(d2t.shape[0]),
+        transformer_layer_config=layer_config(target_hf, attn, overrides), draft_vocab_size=int(d2t.shape[0]) if d2t is not None else draft_vocab_size,
         norm_before_residual=False, target_hidden_size=target_hf.hidden_size,
         eagle_aux_hidden_state_layer_ids=list(aux_ids),
         speculators_config=SpeculatorsConfig(
             algorithm="eagle3", proposal_methods=[GreedyTokenProposalConfig(speculative_tokens=ttt_steps)],
             default_proposal_method="greedy", verifier=verifier))
     model = Eagle3DraftModel(config)
-    model.load_vocab_mappings(t2d, d2t)
+    if d2t is not None:
+        model.load_vocab_mappings(t2d, d2t)
     if load_target_weights:
         model.load_verifier_weights()
     return model
@@ -58,3 +60,20 @@ def own_parameters(model) -> int:
     """Parameters the draft trains and ships: all but the target's embedding and the frozen verifier head."""
     shared = {"embed_tokens.weight", "verifier_lm_head.weight", "verifier_norm.weight"}
     return sum(p.numel() for n, p in model.named_parameters() if n not in shared)
+
+
+def build_on_meta(target, draft_vocab_size: int, aux_ids: list[int], ttt_steps: int = 3):
+    """The draft at the target's declared shape on the meta device: sizes without allocating memory."""
+    from types import SimpleNamespace
+
+    missing = [k for k in ("num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size")
+               if target.get(k) is None]
+    if missing:
+        raise ValueError(f"target {target.name} declares no {', '.join(missing)}; needed to size the draft")
+    shape = SimpleNamespace(vocab_size=target.vocab_size, hidden_size=target.hidden_size,
+                            intermediate_size=target.intermediate_size, num_attention_heads=target.num_attention_heads,
+                            num_key_value_heads=target.num_key_value_heads, head_dim=target.head_dim,
+                            rms_norm_eps=1e-6, max_position_embeddings=262144, architectures=[])
+    with torch.device("meta"):
+        return build(None, shape, aux_ids, None, None, ttt_steps, attn="sdpa", load_target_weights=False,
+                     draft_vocab_size=draft_vocab_size)
