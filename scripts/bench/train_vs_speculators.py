@@ -1,0 +1,141 @@
+"""Benchmark (GPU): our train loop vs speculators' own Trainer, same data, same draft config, same GPU.
+
+Both train the same Eagle3DraftModel (same seed, same initial weights) on the same packed batches from the
+feature store for the same number of optimizer steps (eager loss, bf16 autocast, AdamW, warmup + cosine),
+then both drafts are scored by one evaluation function on the same held-out samples (acc per TTT step).
+Usage:  python scripts/bench/train_vs_speculators.py target=smollm2 target.path=/tmp/model/smol.gguf \
+          cache_dir=/tmp/epcache run_dir=/tmp/tb data.limit=1500 train.max_steps=200
+Writes bench_train.json to $OUT (or the run dir) and prints a table last.
+"""
+
+import json
+import os
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+from hydra import compose, initialize_config_dir
+from safetensors.torch import load_file
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+from pipeline import draft, targets, train  # noqa: E402
+from pipeline.config import register  # noqa: E402
+from pipeline.features_dataset import PackDataset, collate, plan_packs, split  # noqa: E402
+from pipeline.stages import run_stages  # noqa: E402
+
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"  # speculators' Trainer itself needs CUDA
+
+
+def compose_cfg(overrides):
+    register()
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        return compose(config_name="config", overrides=["train.wandb.mode=disabled", *overrides])
+
+
+@torch.no_grad()
+def evaluate(model, store, packs, cfg, fwd):
+    model.eval()
+    sums = defaultdict(float)
+    for pack in packs:
+        batch = {k: v.to(DEV) for k, v in collate(store, pack, cfg.train.tokens_per_pack).items()}
+        if DEV == "cpu":  # no autocast on CPU: run fp32 like the CPU training path
+            batch = {k: v.float() if v.is_floating_point() else v for k, v in batch.items()}
+        with torch.autocast(DEV, dtype=torch.bfloat16, enabled=DEV == "cuda"):
+            _, _, m = model(**batch, **fwd)
+        for k, v in m.items():
+            sums[k] += float(v)
+    return train._summarise(sums, cfg.train.ttt_steps)
+
+
+class SpecBatches(torch.utils.data.Dataset):
+    """Our packs in the dict form speculators' Trainer consumes (plus its `error_records` count)."""
+
+    def __init__(self, packs: PackDataset):
+        self.packs = packs
+
+    def __len__(self):
+        return len(self.packs)
+
+    def __getitem__(self, k):
+        return {**self.packs[k], "error_records": 0}
+
+
+def main(overrides):
+    from speculators.losses.utils import resolve_loss_config
+    from speculators.train.trainer import Trainer, TrainerConfig
+
+    cfg = compose_cfg(overrides)
+    for stage in ("prepare", "extract", "vocab"):
+        cfg.stage = stage
+        run_stages(cfg)
+    store, d2t, t2d, _ = train.load_inputs(cfg)
+    t = cfg.train
+    lengths = store.sample_lengths()
+    train_idx, val_idx = split(len(lengths), t.val_fraction, cfg.seed)
+    packs = plan_packs(train_idx, lengths, t.tokens_per_pack, cfg.seed, 0)
+    val_packs = plan_packs(val_idx, lengths, t.tokens_per_pack, cfg.seed, 0, shuffle=False)
+    steps = min(len(packs), t.max_steps or len(packs))
+    tokens = sum(min(int(lengths[i]) - 1, t.tokens_per_pack) for p in packs[:steps] for i in p)
+    fwd = dict(ttt_steps=t.ttt_steps, ttt_step_loss_decay=t.ttt_step_loss_decay,
+               loss_config=resolve_loss_config(t.loss, "eager"))
+    folder = Path(store.facts["target_path"])
+    target_hf = targets.load_config(folder, cfg.target)
+    res = {"device": torch.cuda.get_device_name() if DEV == "cuda" else "cpu", "steps": steps, "tokens": tokens,
+           "tokens_per_pack": t.tokens_per_pack, "train_samples": len(train_idx), "val_samples": len(val_idx)}
+
+    def fresh():
+        torch.manual_seed(cfg.seed)
+        return draft.build(folder, target_hf, store.aux_layer_ids, d2t, t2d, t.ttt_steps, t.attn_implementation)
+
+    res["untrained"] = evaluate(fresh().to(DEV), store, val_packs, cfg, fwd)
+
+    # ours: the real stage (accelerate, bf16 mixed precision)
+    cfg.stage, cfg.train.max_steps, cfg.train.val_every_steps = "train", steps, 10**9
+    cfg.train.save_every_steps, cfg.train.resume = 10**9, "never"
+    t0 = time.time()
+    train.run(cfg)
+    res["ours_wall_s"] = time.time() - t0
+    rows = [json.loads(x) for x in (Path(cfg.run_dir) / "train" / "metrics.jsonl").read_text().splitlines()]
+    loop = [r for r in rows if r["split"] == "train"]
+    res["ours_tokens_per_s_logged"] = sum(r["tokens_per_s"] for r in loop[1:]) / max(len(loop) - 1, 1)
+    ours = fresh()
+    ours.load_state_dict(load_file(str(Path(cfg.run_dir) / "train" / "final" / "model.safetensors")), strict=False)
+    res["ours"] = evaluate(ours.to(DEV), store, val_packs, cfg, fwd)
+
+    if DEV != "cuda":
+        print("no CUDA: speculators' Trainer hard-codes a CUDA device; skipped", json.dumps(res, indent=1))
+        return
+    # speculators' Trainer on the same packs, same initial weights, same number of steps
+    model = fresh()
+    loader = torch.utils.data.DataLoader(SpecBatches(PackDataset(store.root, packs[:steps], t.tokens_per_pack)),
+                                         batch_size=None, num_workers=t.num_workers)
+    spec_cfg = TrainerConfig(lr=t.lr, num_epochs=1, save_path=tempfile.mkdtemp(), train_call_kwargs=fwd,
+                             val_call_kwargs=fwd, weight_decay=t.weight_decay, scheduler_type="cosine",
+                             scheduler_warmup_steps=t.warmup_steps, max_steps=steps, log_freq=10**9)
+    trainer = Trainer(model, spec_cfg, loader, None)
+    torch.cuda.synchronize()
+    t0 = time.time()
+    trainer.run_training()
+    torch.cuda.synchronize()
+    res["speculators_wall_s"] = time.time() - t0
+    res["speculators"] = evaluate(model, store, val_packs, cfg, fwd)
+
+    out = Path(os.environ.get("OUT", cfg.run_dir)) / "bench_train.json"
+    out.write_text(json.dumps(res, indent=1))
+    print(f"\n{res['device']} | {steps} steps x {t.tokens_per_pack}-token packs = {tokens} tokens | "
+          f"{len(val_idx)} val samples")
+    print(f"{'':<14}{'wall s':>9}{'tok/s':>10}" + "".join(f"{'acc_' + str(k):>9}" for k in range(t.ttt_steps)))
+    for name in ("untrained", "ours", "speculators"):
+        wall = res.get(f"{name}_wall_s")
+        print(f"{name:<14}{'' if wall is None else f'{wall:9.1f}':>9}{'' if wall is None else f'{tokens / wall:10.0f}':>10}"
+              + "".join(f"{res[name][f'full_acc_{k}']:9.4f}" for k in range(t.ttt_steps)))
+    print(f"ours, loop only (logged windows): {res['ours_tokens_per_s_logged']:.0f} tok/s")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
