@@ -150,10 +150,10 @@ def run(cfg) -> Path:
     while step < total_steps and epoch < t.epochs:
         loader = torch.utils.data.DataLoader(PackDataset(store.root, epochs[epoch][done_in_epoch:], t.tokens_per_pack),
                                              batch_size=None, shuffle=False, num_workers=t.num_workers,
-                                             persistent_workers=False)
+                                             pin_memory=accelerator.device.type == "cuda")
         model.train()
         for batch in loader:
-            batch = {k: v.to(accelerator.device) for k, v in batch.items()}
+            batch = {k: v.to(accelerator.device, non_blocking=True) for k, v in batch.items()}
             with accelerator.accumulate(model):
                 _, loss, m = model(**_cast(batch, accelerator), **fwd)
                 accelerator.backward(loss)
@@ -164,14 +164,15 @@ def run(cfg) -> Path:
                 optimizer.zero_grad(set_to_none=True)
             done_in_epoch += 1
             window_tokens += batch["input_ids"].numel()
-            for k, v in m.items():
-                window[k] += float(v)
+            for k, v in m.items():  # summed on the device; read back only when logging (no per-step sync)
+                window[k] = window[k] + v.detach()
             if not accelerator.sync_gradients:
                 continue
             step += 1
             bar.update(1)
             if step % t.log_every_steps == 0 or step == total_steps:
-                rec = {"split": "train", **_summarise(window, t.ttt_steps), "lr": scheduler.get_last_lr()[0],
+                rec = {"split": "train", **_summarise({k: float(v) for k, v in window.items()}, t.ttt_steps),
+                       "lr": scheduler.get_last_lr()[0],
                        "epoch": epoch, "tokens_per_s": window_tokens * accelerator.num_processes / (time.time() - t0)}
                 bar.set_description(f"train|ep {epoch}|step {step}|loss {rec['loss']:.3f}")
                 _log(accelerator, metrics_file, rec, step)

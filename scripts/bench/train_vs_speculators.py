@@ -67,7 +67,6 @@ class SpecBatches(torch.utils.data.Dataset):
 
 def main(overrides):
     from speculators.losses.utils import resolve_loss_config
-    from speculators.train.trainer import Trainer, TrainerConfig
 
     cfg = compose_cfg(overrides)
     for stage in ("prepare", "extract", "vocab"):
@@ -92,9 +91,30 @@ def main(overrides):
         torch.manual_seed(cfg.seed)
         return draft.build(folder, target_hf, store.aux_layer_ids, d2t, t2d, t.ttt_steps, t.attn_implementation)
 
-    res["untrained"] = evaluate(fresh().to(DEV), store, val_packs, cfg, fwd)
+    only = os.environ.get("BENCH_ONLY", "both")  # run each in its own process: torch.compile caches are per process
+    res["untrained"] = evaluate(fresh().to(DEV), store, val_packs, cfg, fwd)  # also warms compile for both
+    if only in ("both", "ours"):
+        _ours(cfg, res, fresh, store, val_packs, fwd)
+    if only in ("both", "speculators"):
+        _speculators(cfg, res, fresh, store, packs, val_packs, fwd, steps)
+    out = Path(os.environ.get("OUT", cfg.run_dir)) / f"bench_train_{only}.json"
+    out.write_text(json.dumps(res, indent=1))
+    print(f"\n{res['device']} | {steps} steps x {t.tokens_per_pack}-token packs = {tokens} tokens | "
+          f"{len(val_idx)} val samples")
+    print(f"{'':<14}{'wall s':>9}{'tok/s':>10}" + "".join(f"{'acc_' + str(k):>9}" for k in range(t.ttt_steps)))
+    for name in ("untrained", "ours", "speculators"):
+        if name not in res:
+            continue
+        wall = res.get(f"{name}_wall_s")
+        print(f"{name:<14}{'' if wall is None else f'{wall:9.1f}':>9}{'' if wall is None else f'{tokens / wall:10.0f}':>10}"
+              + "".join(f"{res[name][f'full_acc_{k}']:9.4f}" for k in range(t.ttt_steps)))
+    if "ours_tokens_per_s_logged" in res:
+        print(f"ours, loop only (logged windows after the first): {res['ours_tokens_per_s_logged']:.0f} tok/s")
 
-    # ours: the real stage (accelerate, bf16 mixed precision)
+
+def _ours(cfg, res, fresh, store, val_packs, fwd):
+    """The real stage (accelerate, bf16 mixed precision)."""
+    steps = res["steps"]
     cfg.stage, cfg.train.max_steps, cfg.train.val_every_steps = "train", steps, 10**9
     cfg.train.save_every_steps, cfg.train.resume = 10**9, "never"
     t0 = time.time()
@@ -107,10 +127,15 @@ def main(overrides):
     ours.load_state_dict(load_file(str(Path(cfg.run_dir) / "train" / "final" / "model.safetensors")), strict=False)
     res["ours"] = evaluate(ours.to(DEV), store, val_packs, cfg, fwd)
 
+
+def _speculators(cfg, res, fresh, store, packs, val_packs, fwd, steps):
+    """speculators' own Trainer on the same packs, same initial weights, same number of steps."""
+    from speculators.train.trainer import Trainer, TrainerConfig
+
+    t = cfg.train
     if DEV != "cuda":
         print("no CUDA: speculators' Trainer hard-codes a CUDA device; skipped", json.dumps(res, indent=1))
         return
-    # speculators' Trainer on the same packs, same initial weights, same number of steps
     model = fresh()
     loader = torch.utils.data.DataLoader(SpecBatches(PackDataset(store.root, packs[:steps], t.tokens_per_pack)),
                                          batch_size=None, num_workers=t.num_workers)
@@ -124,17 +149,6 @@ def main(overrides):
     torch.cuda.synchronize()
     res["speculators_wall_s"] = time.time() - t0
     res["speculators"] = evaluate(model, store, val_packs, cfg, fwd)
-
-    out = Path(os.environ.get("OUT", cfg.run_dir)) / "bench_train.json"
-    out.write_text(json.dumps(res, indent=1))
-    print(f"\n{res['device']} | {steps} steps x {t.tokens_per_pack}-token packs = {tokens} tokens | "
-          f"{len(val_idx)} val samples")
-    print(f"{'':<14}{'wall s':>9}{'tok/s':>10}" + "".join(f"{'acc_' + str(k):>9}" for k in range(t.ttt_steps)))
-    for name in ("untrained", "ours", "speculators"):
-        wall = res.get(f"{name}_wall_s")
-        print(f"{name:<14}{'' if wall is None else f'{wall:9.1f}':>9}{'' if wall is None else f'{tokens / wall:10.0f}':>10}"
-              + "".join(f"{res[name][f'full_acc_{k}']:9.4f}" for k in range(t.ttt_steps)))
-    print(f"ours, loop only (logged windows): {res['ours_tokens_per_s_logged']:.0f} tok/s")
 
 
 if __name__ == "__main__":
