@@ -3,7 +3,7 @@
 setup:
 	./scripts/setup.sh
 
-# prepare + extract on the embedded default (SmolLM2-135M-Instruct + chitchat), on CPU
+# prepare -> extract -> vocab -> train on the embedded default (SmolLM2-135M-Instruct + chitchat), on CPU
 demo: setup
 	.venv/bin/eaglepipe stage=all extract.batch_tokens=4096
 
