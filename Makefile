@@ -5,7 +5,7 @@ setup:
 
 # prepare -> extract -> vocab -> train on the embedded default (SmolLM2-135M-Instruct + chitchat), on CPU
 demo: setup
-	.venv/bin/eaglepipe stage=all extract.batch_tokens=4096
+	.venv/bin/eaglepipe stage=all +experiment=demo
 
 # everything except hardware-bound markers; pytest exit 5 ("no tests ran") is not a failure
 test: setup
