@@ -131,6 +131,10 @@ def run(cfg) -> Path:
             raise UserError(f"checkpoint {found[0]} was trained on other inputs; use a new run_dir or train.resume=never")
         step, epoch, done_in_epoch = state["optimizer_step"], state["epoch"], state["batches_done_in_epoch"]
         log.info("train: resumed from %s (step %d, epoch %d, %d batches into it)", found[0], step, epoch, done_in_epoch)
+    elif accelerator.is_main_process:
+        stale = checkpoint.clear(root)  # a fresh start must never leave older checkpoints for a later resume
+        if stale:
+            log.warning("train: starting fresh; removed %d earlier checkpoint/final folders under %s", stale, root)
     if accelerator.is_main_process:
         log.info("train: %d train / %d val samples, %d packs/epoch/rank of <= %d tokens, %d ranks, %d steps, "
                  "aux layers %s (from the feature store), draft vocab %d, %d trainable params",

@@ -51,3 +51,11 @@ def complete(root: Path) -> list[tuple[Path, dict]]:
 def latest(root: Path) -> Optional[tuple[Path, dict]]:
     found = complete(root)
     return found[-1] if found else None
+
+
+def clear(root: Path) -> int:
+    """Remove every checkpoint (complete or not) and the final export under root; returns how many."""
+    gone = [d for d in Path(root).glob("step_*") if d.is_dir()] + [d for d in [Path(root) / "final"] if d.is_dir()]
+    for d in gone:
+        shutil.rmtree(d)
+    return len(gone)

@@ -25,26 +25,31 @@ def cli(*args, cache_dir):
 
 def test_stage_all_skips_fresh_stages_and_redoes_what_changed(make_cfg, tmp_path, caplog):
     caplog.set_level(logging.INFO)
-    cfg = make_cfg("target=tiny", "data.limit=4", run_dir=tmp_path)
+    cfg = make_cfg("+experiment=tiny", "data.limit=4", run_dir=tmp_path)
     run_stages(cfg)
     first = read_records(tmp_path)
-    assert set(first) == {"prepare", "extract"}
+    assert set(first) == {"prepare", "extract", "vocab", "train"}
     caplog.clear()
     run_stages(cfg)
-    assert "stage prepare: up to date" in caplog.text and "stage extract: up to date" in caplog.text
+    for stage in first:
+        assert f"stage {stage}: up to date" in caplog.text
     assert read_records(tmp_path) == first
     # more data: prepare is redone; extract refuses to mix features from the old prepared set ...
-    changed = make_cfg("target=tiny", "data.limit=5", run_dir=tmp_path)
+    changed = make_cfg("+experiment=tiny", "data.limit=5", run_dir=tmp_path)
     with pytest.raises(UserError, match="prepared_fingerprint.*extract.overwrite=true"):
         run_stages(changed)
     assert read_records(tmp_path)["prepare"]["fingerprint"] != first["prepare"]["fingerprint"]
-    # ... until told to replace them
-    run_stages(make_cfg("target=tiny", "data.limit=5", "extract.overwrite=true", run_dir=tmp_path))
+    # ... until told to replace them; then training refuses checkpoints of the old features the same way
+    with pytest.raises(UserError, match="trained on other inputs.*train.resume=never"):
+        run_stages(make_cfg("+experiment=tiny", "data.limit=5", "extract.overwrite=true", run_dir=tmp_path))
+    run_stages(make_cfg("+experiment=tiny", "data.limit=5", "train.resume=never", run_dir=tmp_path))
+    assert read_records(tmp_path)["train"]["fingerprint"] != first["train"]["fingerprint"]
     assert json.loads((tmp_path / "features" / "manifest.json").read_text())["facts"]["num_samples"] == 5
 
 
 def test_an_incomplete_stage_is_not_skipped(make_cfg, tmp_path):
-    cfg = make_cfg("target=tiny", "data.limit=3", run_dir=tmp_path)
+    cfg = make_cfg("+experiment=tiny", "data.limit=3", "stage=extract", run_dir=tmp_path)
+    run_stages(make_cfg("+experiment=tiny", "data.limit=3", "stage=prepare", run_dir=tmp_path))
     run_stages(cfg)
     manifest = tmp_path / "features" / "manifest.json"
     m = json.loads(manifest.read_text())
@@ -57,7 +62,8 @@ def test_an_incomplete_stage_is_not_skipped(make_cfg, tmp_path):
 @pytest.mark.parametrize("args,message", [
     (["target=llama3_8b", "target.path=/nonexistent/model", "stage=prepare"], "target path /nonexistent/model does not exist"),
     (["target=tiny", "stage=extract", "extract.aux_layers=[1,8]"], r"aux layer ids \[8\] outside \[0, 7\]"),
-    (["target=tiny", "stage=train"], "stage train is not built yet"),
+    (["target=tiny", "stage=export"], "stage export is not built yet"),
+    (["target=tiny", "stage=train"], "run stage=extract first"),
     (["target=tiny", "stage=extract"], "run stage=prepare first"),
     (["target=tiny", "data=sharegpt", "data.path=/nonexistent.jsonl", "stage=prepare"], "does not exist"),
 ])
