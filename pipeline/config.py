@@ -151,6 +151,19 @@ class TrainConfig:
 
 
 @dataclass
+class ServeConfig:
+    num_steps: int = 3  # --speculative-num-steps (draft chain length)
+    topk: int = 1  # --speculative-eagle-topk
+    num_draft_tokens: int = 4  # --speculative-num-draft-tokens
+
+
+@dataclass
+class ExportConfig:
+    engines: list[str] = field(default_factory=lambda: ["sglang", "vllm"])
+    serve: ServeConfig = field(default_factory=ServeConfig)
+
+
+@dataclass
 class Config:
     stage: Stage = Stage.all
     run_name: str = "default"
@@ -163,6 +176,7 @@ class Config:
     extract: ExtractConfig = field(default_factory=ExtractConfig)
     vocab: VocabConfig = field(default_factory=VocabConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    export: ExportConfig = field(default_factory=ExportConfig)
 
 
 def register() -> None:
@@ -174,3 +188,4 @@ def register() -> None:
     cs.store(group="extract", name="base_extract", node=ExtractConfig)
     cs.store(group="vocab", name="base_vocab", node=VocabConfig)
     cs.store(group="train", name="base_train", node=TrainConfig)
+    cs.store(group="export", name="base_export", node=ExportConfig)

@@ -1,0 +1,200 @@
+"""Stage `export`: serving checkpoints for SGLang and vLLM from run_dir (nothing else can contradict it).
+
+run_dir/export/<engine>/: config.json, model.safetensors (bf16 weights, d2t int64, t2d bool), serve.sh,
+export_manifest.json (what produced it, aux ids in eaglepipe and engine numbering, tensor std/norm table).
+Every export is checked before the stage succeeds (`check_export`, also usable on any export folder):
+engine-free checks plus, for SGLang, a replay of its 0.5.23 `load_weights` name mapping against its
+parameter table (pipeline/formats/export_layouts.py). Loading into the engines' own classes is issue #4.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from pipeline import __version__, targets
+from pipeline.errors import UserError
+from pipeline.formats import export_layouts as lay
+from pipeline.formats import feature_store as fs
+from pipeline.formats import vocab_map
+from pipeline.stages import digest
+
+log = logging.getLogger(__name__)
+ENGINES = ("sglang", "vllm")
+SKIP = {"embed_tokens.weight", "verifier_lm_head.weight", "verifier_norm.weight"}  # embedding: the target's
+
+
+def out_dir(cfg) -> Path:
+    return Path(cfg.run_dir) / "export"
+
+
+def fingerprint(cfg) -> str:
+    summary = Path(cfg.run_dir) / "train" / "final" / "train_summary.json"
+    weights = Path(cfg.run_dir) / "train" / "final" / "model.safetensors"
+    return digest({"summary": summary.read_text() if summary.exists() else None,
+                   "weights": weights.stat().st_mtime_ns if weights.exists() else None,
+                   "engines": list(cfg.export.engines), "serve": dict(cfg.export.serve)})
+
+
+def is_complete(cfg) -> bool:
+    return all((out_dir(cfg) / e / "export_manifest.json").is_file() for e in cfg.export.engines)
+
+
+def run(cfg) -> Path:
+    final = Path(cfg.run_dir) / "train" / "final"
+    if not (final / "train_summary.json").is_file():
+        raise UserError(f"no trained draft under {final}; run stage=train first")
+    store = fs.FeatureStore(Path(cfg.run_dir) / "features")
+    d2t, t2d, vman = vocab_map.load(Path(cfg.run_dir) / "vocab")
+    weights = load_file(str(final / "model.safetensors"))
+    draft_cfg = json.loads((final / "config.json").read_text())
+    if draft_cfg["eagle_aux_hidden_state_layer_ids"] != store.aux_layer_ids:
+        raise UserError(f"trained draft has aux ids {draft_cfg['eagle_aux_hidden_state_layer_ids']}, the feature "
+                        f"store {store.aux_layer_ids}; retrain")
+    if not (torch.equal(weights["d2t"], d2t) and torch.equal(weights["t2d"], t2d)):
+        raise UserError(f"the trained draft's d2t/t2d differ from {cfg.run_dir}/vocab; retrain")
+    tensors = {k: (v.to(torch.bfloat16) if v.is_floating_point() else v) for k, v in weights.items() if k not in SKIP}
+    provenance = {"produced_by": f"eaglepipe {__version__}", "run_dir": str(Path(cfg.run_dir).resolve()),
+                  "target_path": store.facts["target_path"], "target_fingerprint": store.facts["target_fingerprint"],
+                  "features_manifest_hash": store.manifest_hash(), "vocab_coverage": vman["coverage"],
+                  "train_summary_hash": digest((final / "train_summary.json").read_text()),
+                  "aux_layer_ids_eaglepipe": store.aux_layer_ids}
+    layer = draft_cfg["transformer_layer_config"]
+    for engine in cfg.export.engines:
+        if engine not in ENGINES:
+            raise UserError(f"export.engines: unknown engine {engine!r}; known: {', '.join(ENGINES)}")
+        out = out_dir(cfg) / engine
+        tmp = out.with_name(out.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        if engine == "sglang":
+            names = {lay.speculators_to_sglang_name(k): v for k, v in tensors.items()}
+            config = sglang_config(layer, draft_cfg, store)
+        else:
+            names = dict(tensors)
+            config = vllm_config(draft_cfg, store)
+        save_file(names, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        (tmp / "config.json").write_text(json.dumps(config, indent=2))
+        (tmp / "serve.sh").write_text(serve_command(engine, store.facts["target_path"], out, cfg.export.serve) + "\n")
+        os.chmod(tmp / "serve.sh", 0o755)
+        rows = lay.tensor_table(names)
+        engine_ids = lay.sglang_layer_ids(store.aux_layer_ids) if engine == "sglang" else lay.vllm_layer_ids(store.aux_layer_ids)
+        manifest = {"schema_version": lay.SCHEMA_VERSION, "engine": engine,
+                    "engine_version_read": lay.SGLANG_VERSION if engine == "sglang" else lay.VLLM_VERSION,
+                    "aux_layer_ids_engine": engine_ids, **provenance, "tensors": rows}
+        (tmp / "export_manifest.json").write_text(json.dumps(manifest, indent=1))
+        problems = check_export(tmp, engine, store.facts)
+        if problems:
+            raise UserError(f"export/{engine} failed its checks: " + "; ".join(problems))
+        shutil.rmtree(out, ignore_errors=True)
+        os.replace(tmp, out)
+        log.info("export %s -> %s (aux ids %s in %s numbering); tensors:\n%s", engine, out, engine_ids, engine,
+                 lay.format_table(rows))
+    return out_dir(cfg)
+
+
+def sglang_config(layer: dict, draft_cfg: dict, store: fs.FeatureStore) -> dict:
+    keep = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+            "rms_norm_eps", "max_position_embeddings", "rope_parameters", "hidden_act", "attention_bias",
+            "bos_token_id", "eos_token_id")
+    rope = layer.get("rope_parameters") or {}
+    return {
+        "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama",
+        **{k: layer[k] for k in keep if k in layer}, "rope_theta": rope.get("rope_theta", 10000.0),
+        "vocab_size": int(store.facts["vocab_size"]), "draft_vocab_size": int(draft_cfg["draft_vocab_size"]),
+        "num_hidden_layers": 1, "tie_word_embeddings": False, "target_hidden_size": store.hidden_size,
+        "torch_dtype": "bfloat16",
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": lay.sglang_layer_ids(store.aux_layer_ids),
+                         "use_aux_hidden_state": True},
+    }
+
+
+def vllm_config(draft_cfg: dict, store: fs.FeatureStore) -> dict:
+    config = json.loads(json.dumps(draft_cfg))
+    config["eagle_aux_hidden_state_layer_ids"] = lay.vllm_layer_ids(store.aux_layer_ids)
+    config["speculators_config"]["verifier"]["name_or_path"] = store.facts["target_path"]
+    for flag in ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output"):
+        config[flag] = bool(config.get(flag, False))  # explicit: vLLM's defaults differ by route
+    config["dtype"] = "bfloat16"
+    return config
+
+
+def serve_command(engine: str, target: str, export: Path, serve) -> str:
+    if engine == "sglang":
+        return (f"python -m sglang.launch_server --model-path {target} --speculative-algorithm EAGLE3 "
+                f"--speculative-draft-model-path {export} --speculative-num-steps {serve.num_steps} "
+                f"--speculative-eagle-topk {serve.topk} --speculative-num-draft-tokens {serve.num_draft_tokens} "
+                f"--dtype bfloat16")
+    spec = json.dumps({"method": "eagle3", "model": str(export), "num_speculative_tokens": serve.num_steps})
+    return f"vllm serve {target} --speculative-config '{spec}' --dtype bfloat16"
+
+
+def check_export(folder: Path, engine: str, facts: dict) -> list[str]:
+    """Every problem with an export folder, engine-free checks first. Empty list = good."""
+    folder = Path(folder)
+    config = json.loads((folder / "config.json").read_text())
+    tensors = load_file(str(folder / "model.safetensors"))
+    problems = []
+    hidden, V = int(facts["hidden_size"]), int(facts["vocab_size"])
+    want_ids = facts["aux_layer_ids"]
+    ids = ((config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids") if engine == "sglang"
+           else config.get("eagle_aux_hidden_state_layer_ids"))
+    engine_want = lay.sglang_layer_ids(want_ids) if engine == "sglang" else lay.vllm_layer_ids(want_ids)
+    if not ids:
+        problems.append("aux layer ids missing from config.json: the engine would capture its default layers")
+    elif ids != engine_want:
+        problems.append(f"aux layer ids {ids} != {engine_want} ({engine} numbering of the store's {want_ids})")
+    fc = tensors.get("fc.weight")
+    if fc is None:
+        problems.append("fc.weight missing")
+    elif fc.shape[1] != len(want_ids) * hidden:
+        problems.append(f"fc.weight takes {fc.shape[1]} inputs, expected n_aux x hidden = {len(want_ids)} x {hidden}")
+    if "d2t" not in tensors or "t2d" not in tensors:
+        problems.append("d2t/t2d missing")
+    else:
+        try:
+            vocab_map.validate(tensors["d2t"], tensors["t2d"], V, config.get("draft_vocab_size"))
+        except vocab_map.VocabError as e:
+            problems.append(f"vocab: {e}")
+    for row in lay.tensor_table(tensors):
+        if not row["finite"]:
+            problems.append(f"{row['name']} has non-finite values")
+        elif lay.is_dead(row):
+            problems.append(f"{row['name']} is constant (std 0, norm {row['norm']:.3g}): not a trained weight")
+    if engine == "sglang":
+        problems += _check_sglang(config, tensors, facts)
+    else:
+        bad = [k for k in tensors if not (k.startswith(("layers.0.", "fc.", "norm.", "lm_head.")) or k in ("d2t", "t2d"))]
+        if bad:
+            problems.append(f"vLLM's eagle3 loader raises on unknown names: {bad[:4]}")
+    return problems
+
+
+def _check_sglang(config: dict, tensors: dict, facts: dict) -> list[str]:
+    problems = []
+    if config.get("architectures") != ["LlamaForCausalLMEagle3"]:
+        problems.append(f"architectures {config.get('architectures')} != ['LlamaForCausalLMEagle3']")
+    if not config.get("draft_vocab_size"):
+        problems.append("draft_vocab_size missing: SGLang would use the target's lm_head, not the draft's")
+    heads, kv = config["num_attention_heads"], config["num_key_value_heads"]
+    shape = lay.Shape(hidden=config["hidden_size"], target_hidden=int(facts["hidden_size"]),
+                      n_aux=len(facts["aux_layer_ids"]), heads=heads, kv_heads=kv,
+                      head_dim=config.get("head_dim") or config["hidden_size"] // heads,
+                      intermediate=config["intermediate_size"], vocab=int(facts["vocab_size"]),
+                      draft_vocab=int(config.get("draft_vocab_size") or 0))
+    report = lay.sglang_load_report(tensors, lay.sglang_param_table(shape))
+    if report["dropped"]:
+        problems.append(f"SGLang {lay.SGLANG_VERSION} would silently drop {report['dropped'][:4]}")
+    if report["unwritten"]:
+        problems.append(f"SGLang parameters never written: {report['unwritten'][:4]}")
+    problems += report["shape_problems"]
+    hot = report["hot_token_id"]
+    if hot is not None and "t2d" in tensors and not bool(tensors["t2d"][hot.clamp(0, len(tensors["t2d"]) - 1)].all()):
+        problems.append("SGLang's hot_token_id (arange + d2t) does not point at the t2d ids")
+    return problems

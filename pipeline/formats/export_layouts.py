@@ -1,0 +1,140 @@
+"""Serving layouts of the EAGLE-3 draft, and the engines' loaders as read from their source. Pure module.
+
+Engine facts (sglang 0.5.23 `sglang/srt/models/llama_eagle3.py`, `sglang/srt/speculative/eagle_worker_v2.py`;
+vllm 0.33.0 `vllm/model_executor/models/llama_eagle3.py`, `vllm/model_executor/models/llama.py`):
+- SGLang `LlamaForCausalLMEagle3.load_weights`: legacy `midlayer` -> `layers.0`; `d2t` -> hot_token_id =
+  d2t + arange; `t2d` skipped; q/k/v -> qkv_proj, gate/up -> gate_up_proj; a name found neither as is nor
+  with a `model.` prefix is dropped WITHOUT a message. The embedding always comes from the target
+  (`set_embed`, EAGLE3 branch of `init_lm_head`); without `draft_vocab_size` in config.json SGLang takes the
+  target's lm_head instead of the draft's (`load_lm_head_from_target`).
+- SGLang aux ids: `eagle_config.eagle_aux_hidden_state_layer_ids`, id k = output of decoder layer k (ours).
+- vLLM (speculators format): keys `layers.0.*`; aux ids `eagle_aux_hidden_state_layer_ids`, id k = input of
+  layer k = our k-1, so vLLM id = ours + 1.
+`sglang_load_report` replays SGLang's name mapping over an export's tensors against the parameter table of
+its module tree: a derived table, not the engine's own class (issue #4 adds that check).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+SCHEMA_VERSION = 1
+SGLANG_VERSION = "0.5.23"
+VLLM_VERSION = "0.33.0"
+
+
+def sglang_layer_ids(ours: list[int]) -> list[int]:
+    return list(ours)
+
+
+def vllm_layer_ids(ours: list[int]) -> list[int]:
+    return [k + 1 for k in ours]
+
+
+def speculators_to_sglang_name(name: str) -> str:
+    return "midlayer." + name[len("layers.0."):] if name.startswith("layers.0.") else name
+
+
+@dataclass
+class Shape:
+    hidden: int
+    target_hidden: int
+    n_aux: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int
+    draft_vocab: int
+
+
+def sglang_param_table(s: Shape) -> dict[str, tuple[int, ...]]:
+    """Parameters of sglang 0.5.23 LlamaForCausalLMEagle3 (one layer), as its module tree declares them."""
+    q, kv = s.heads * s.head_dim, s.kv_heads * s.head_dim
+    p = "model.layers.0."
+    return {
+        "model.embed_tokens.weight": (s.vocab, s.hidden),
+        p + "self_attn.qkv_proj.weight": (q + 2 * kv, 2 * s.hidden),
+        p + "self_attn.o_proj.weight": (s.hidden, q),
+        p + "mlp.gate_up_proj.weight": (2 * s.intermediate, s.hidden),
+        p + "mlp.down_proj.weight": (s.hidden, s.intermediate),
+        p + "input_layernorm.weight": (s.hidden,),
+        p + "hidden_norm.weight": (s.hidden,),
+        p + "post_attention_layernorm.weight": (s.hidden,),
+        "model.fc.weight": (s.hidden, s.n_aux * s.target_hidden),
+        "model.norm.weight": (s.hidden,),
+        "lm_head.weight": (s.draft_vocab, s.hidden),
+    }
+
+
+SGLANG_FROM_TARGET = {"model.embed_tokens.weight"}  # set_embed(target embedding) for EAGLE3
+STACKED = [(".qkv_proj", ".q_proj", "q"), (".qkv_proj", ".k_proj", "k"), (".qkv_proj", ".v_proj", "v"),
+           (".gate_up_proj", ".gate_proj", 0), (".gate_up_proj", ".up_proj", 1)]
+
+
+def sglang_load_report(tensors: dict[str, torch.Tensor], table: dict[str, tuple[int, ...]]) -> dict:
+    """Replay sglang 0.5.23 load_weights name handling. Returns consumed/dropped keys, unwritten params and
+    shape problems (stacked shards are summed along dim 0 and compared with the fused parameter)."""
+    legacy = {"midlayer": "layers.0", "aux_norm_low": "fc_norm.0", "aux_norm_mid": "fc_norm.1",
+              "aux_norm_high": "fc_norm.2"}
+    written: dict[str, list[tuple[int, ...]]] = {}
+    dropped, hot_token_id = [], None
+    for original, w in tensors.items():
+        name = original
+        for old, new in legacy.items():
+            if old in name:
+                name = name.replace(old, new)
+        if "d2t" in name:
+            hot_token_id = w + torch.arange(w.shape[0])
+            continue
+        if "t2d" in name:
+            continue
+        for fused, shard, _ in STACKED:
+            if shard in name:
+                name = name.replace(shard, fused)
+                break
+        target = name if name in table else f"model.{name}"
+        if target in table:
+            written.setdefault(target, []).append(tuple(w.shape))
+        else:
+            dropped.append(original)
+    shape_problems = []
+    for param, shapes in written.items():
+        want = table[param]
+        got = (sum(s[0] for s in shapes), *shapes[0][1:]) if len(shapes) > 1 else shapes[0]
+        if got != want:
+            shape_problems.append(f"{param}: export gives {got}, engine has {want}")
+    unwritten = sorted(set(table) - set(written) - SGLANG_FROM_TARGET)
+    return {"dropped": dropped, "unwritten": unwritten, "shape_problems": shape_problems,
+            "hot_token_id": hot_token_id}
+
+
+def tensor_table(tensors: dict[str, torch.Tensor]) -> list[dict]:
+    """Per-tensor statistics that show an unloaded or broken weight: std, L2 norm, abs max, finiteness.
+    (Not the mean: a bf16 weight's mean prints 0.000000 whether it is loaded or not.)"""
+    rows = []
+    for name, t in sorted(tensors.items()):
+        f = t.float() if t.is_floating_point() else t.double()
+        rows.append({"name": name, "shape": list(t.shape), "dtype": str(t.dtype).replace("torch.", ""),
+                     "std": float(f.std()) if f.numel() > 1 else 0.0, "norm": float(f.norm()),
+                     "absmax": float(f.abs().max()) if f.numel() else 0.0,
+                     "finite": bool(torch.isfinite(f).all())})
+    return rows
+
+
+def format_table(rows: list[dict]) -> str:
+    lines = [f"{'tensor':<44}{'shape':<18}{'dtype':<9}{'std':>11}{'norm':>12}{'absmax':>10}"]
+    for r in rows:
+        lines.append(f"{r['name']:<44}{str(tuple(r['shape'])):<18}{r['dtype']:<9}{r['std']:>11.4g}"
+                     f"{r['norm']:>12.4g}{r['absmax']:>10.4g}{'' if r['finite'] else '  NON-FINITE'}")
+    return "\n".join(lines)
+
+
+def is_dead(row: dict) -> bool:
+    """A float weight that is all zeros (or constant) carries nothing: fc zeroed, a layer never loaded."""
+    return row["dtype"].startswith(("bfloat", "float")) and row["norm"] == 0.0 or (
+        row["dtype"].startswith(("bfloat", "float")) and math.prod(row["shape"]) > 1 and row["std"] == 0.0
+        and not row["name"].endswith(("norm.weight", "layernorm.weight")))

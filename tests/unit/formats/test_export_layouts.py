@@ -1,0 +1,29 @@
+import torch
+
+from pipeline.formats import export_layouts as lay
+
+
+def test_engine_layer_numbering():
+    assert lay.sglang_layer_ids([1, 14, 26]) == [1, 14, 26]
+    assert lay.vllm_layer_ids([1, 14, 26]) == [2, 15, 27]
+
+
+def test_sglang_replay_fuses_stacked_shards_and_reports_unwritten_params():
+    s = lay.Shape(hidden=8, target_hidden=8, n_aux=3, heads=2, kv_heads=1, head_dim=4, intermediate=16,
+                  vocab=32, draft_vocab=4)
+    table = lay.sglang_param_table(s)
+    tensors = {"midlayer.self_attn.q_proj.weight": torch.zeros(8, 16), "midlayer.self_attn.k_proj.weight": torch.zeros(4, 16),
+               "midlayer.self_attn.v_proj.weight": torch.zeros(4, 16), "fc.weight": torch.zeros(8, 24),
+               "d2t": torch.zeros(4, dtype=torch.long), "draft_model.norm.weight": torch.zeros(8)}
+    r = lay.sglang_load_report(tensors, table)
+    assert r["dropped"] == ["draft_model.norm.weight"] and r["shape_problems"] == []
+    assert "model.norm.weight" in r["unwritten"] and "model.embed_tokens.weight" not in r["unwritten"]
+    assert r["hot_token_id"].tolist() == [0, 1, 2, 3]
+
+
+def test_tensor_table_reports_std_and_norm_not_mean():
+    w = torch.tensor([1.0, -1.0]).repeat(50).bfloat16()  # mean 0, clearly loaded
+    (row,) = lay.tensor_table({"w": w})
+    assert row["std"] > 0.9 and row["norm"] == 10.0 and not lay.is_dead(row)
+    (dead,) = lay.tensor_table({"fc.weight": torch.zeros(4, 4)})
+    assert lay.is_dead(dead)
