@@ -161,6 +161,9 @@ class ServeConfig:
 class ExportConfig:
     engines: list[str] = field(default_factory=lambda: ["sglang", "vllm"])
     serve: ServeConfig = field(default_factory=ServeConfig)
+    # Load the SGLang export into sglang's own LlamaForCausalLMEagle3 (a separate venv: make setup-sglang).
+    verify_in_engine: bool = True
+    sglang_python: Optional[str] = None  # null = <repo>/.venv-sglang/bin/python
 
 
 @dataclass

@@ -90,6 +90,11 @@ def run(cfg) -> Path:
                     "aux_layer_ids_engine": engine_ids, **provenance, "tensors": rows}
         (tmp / "export_manifest.json").write_text(json.dumps(manifest, indent=1))
         problems = check_export(tmp, engine, store.facts)
+        if engine == "sglang" and cfg.export.verify_in_engine and not problems:
+            report = sglang_engine_report(tmp, cfg.export.sglang_python)
+            problems += engine_problems(report)
+            manifest["verified_by"] = {k: report[k] for k in ("engine", "engine_version", "class")}
+            (tmp / "export_manifest.json").write_text(json.dumps(manifest, indent=1))
         if problems:
             raise UserError(f"export/{engine} failed its checks: " + "; ".join(problems))
         shutil.rmtree(out, ignore_errors=True)
@@ -133,6 +138,35 @@ def serve_command(engine: str, target: str, export: Path, serve) -> str:
                 f"--dtype bfloat16")
     spec = json.dumps({"method": "eagle3", "model": str(export), "num_speculative_tokens": serve.num_steps})
     return f"vllm serve {target} --speculative-config '{spec}' --dtype bfloat16"
+
+
+def sglang_engine_report(folder: Path, python: str | None = None) -> dict:
+    """Run pipeline/engines/sglang_verify.py in the sglang virtualenv; its JSON report."""
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    python = python or str(root / ".venv-sglang" / "bin" / "python")
+    if not Path(python).exists():
+        raise UserError(f"verifying against SGLang's own class needs {python}: run `make setup-sglang` "
+                        "(or export.verify_in_engine=false to skip it, knowingly)")
+    r = subprocess.run([python, "-m", "pipeline.engines.sglang_verify", str(folder)], cwd=root,
+                       capture_output=True, text=True, timeout=600)
+    if r.returncode != 0:
+        raise RuntimeError(f"sglang verification crashed:\n{r.stderr[-3000:]}")
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def engine_problems(report: dict) -> list[str]:
+    who = f"{report['class']} (sglang {report['engine_version']})"
+    problems = [f"{who} raised while loading: {e}" for e in report["errors"]]
+    if report["dropped"]:
+        problems.append(f"{who} silently dropped {len(report['dropped'])} tensors: {report['dropped'][:4]}")
+    if report["unwritten"] or report["partly_written"]:
+        problems.append(f"{who} parameters not written by the export: {(report['unwritten'] + report['partly_written'])[:4]}")
+    if report["hot_token_id_ok"] is False:
+        problems.append(f"{who} hot_token_id != arange + d2t")
+    return problems
 
 
 def check_export(folder: Path, engine: str, facts: dict) -> list[str]:

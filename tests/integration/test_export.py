@@ -7,7 +7,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from pipeline.export import check_export
+from pipeline.export import check_export, engine_problems, sglang_engine_report
 from pipeline.formats.feature_store import FeatureStore
 from pipeline.stages import run_stages
 
@@ -95,3 +95,23 @@ def test_each_injected_failure_is_caught(exported, tmp_path, engine, mutation, m
     problems = check_export(_mutated(run_dir, tmp_path, engine, **mutation), engine, facts)
     import re
     assert any(re.search(message, p) for p in problems), problems
+
+
+def test_sglang_own_class_loads_the_export_completely(exported):
+    run_dir, _ = exported
+    manifest = json.loads((run_dir / "export" / "sglang" / "export_manifest.json").read_text())
+    assert manifest["verified_by"] == {"engine": "sglang", "engine_version": "0.5.23", "class": "LlamaForCausalLMEagle3"}
+    report = sglang_engine_report(run_dir / "export" / "sglang")
+    assert report["dropped"] == [] and report["unwritten"] == [] and report["hot_token_id_ok"] is True
+    assert "lm_head.weight" in report["consumed"] and "midlayer.self_attn.q_proj.weight" in report["consumed"]
+    assert report["parameters"]["model.fc.weight"] == [64, 192]
+
+
+@pytest.mark.parametrize("mutation,message", [
+    (dict(tensors=lambda t: _rename_all(t, "draft_model.")), "silently dropped 13 tensors"),
+    (dict(tensors=_single_layer_fc), "raised while loading"),
+], ids=["draft_model-prefix", "single-layer-fc"])
+def test_sglang_own_class_catches_injected_failures(exported, tmp_path, mutation, message):
+    run_dir, _ = exported
+    problems = engine_problems(sglang_engine_report(_mutated(run_dir, tmp_path, "sglang", **mutation)))
+    assert any(message in p for p in problems), problems
