@@ -20,6 +20,7 @@ class Stage(str, Enum):
     export = "export"
     evaluate = "evaluate"
     all = "all"
+    doctor = "doctor"  # not part of `all`: checks an export against a server launch line
 
 
 class TargetSource(str, Enum):
@@ -180,6 +181,9 @@ class Config:
     vocab: VocabConfig = field(default_factory=VocabConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     export: ExportConfig = field(default_factory=ExportConfig)
+    # stage=doctor only
+    export_dir: Optional[str] = None
+    launch: Optional[str] = None
 
 
 def register() -> None:

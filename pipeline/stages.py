@@ -50,6 +50,9 @@ def selected(stage: str) -> list[str]:
 
 def run_stages(cfg) -> None:
     stage = str(getattr(cfg.stage, "value", cfg.stage))
+    if stage == "doctor":
+        importlib.import_module("pipeline.doctor").run(cfg)
+        return
     names = selected(stage)
     if stage != "all" and stage not in BUILT:
         raise UserError(f"stage {stage} is not built yet ({PLANNED[stage]}); built stages: {', '.join(sorted(BUILT))}")

@@ -1,0 +1,75 @@
+"""`eaglepipe stage=doctor export_dir=... launch='python -m sglang.launch_server ...'` (or a vLLM line).
+
+Reads a server launch line and the export it should serve, and flags each seed failure with a one-line fix:
+EAGLE instead of EAGLE3, a draft path that is not this export, aux ids missing or different, the other
+engine's layout, absolute-id d2t, fc width inconsistent with the aux count (the last ones via check_export).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shlex
+from pathlib import Path
+
+from pipeline.errors import UserError
+from pipeline.export import check_export
+
+log = logging.getLogger(__name__)
+
+
+def parse_launch(line: str) -> dict:
+    """engine, algorithm, draft path from an SGLang or vLLM launch line."""
+    argv = shlex.split(line)
+    opts, i = {}, 0
+    while i < len(argv):
+        a = argv[i]
+        if a.startswith("--"):
+            key, _, val = a[2:].partition("=")
+            if not val and i + 1 < len(argv) and not argv[i + 1].startswith("--"):
+                val, i = argv[i + 1], i + 1
+            opts[key.replace("_", "-")] = val
+        i += 1
+    if "sglang" in line:
+        return {"engine": "sglang", "algorithm": opts.get("speculative-algorithm"),
+                "draft": opts.get("speculative-draft-model-path")}
+    if "vllm" in line:
+        spec = json.loads(opts.get("speculative-config") or "{}")
+        return {"engine": "vllm", "algorithm": spec.get("method"), "draft": spec.get("model")}
+    raise UserError("launch line names neither sglang nor vllm")
+
+
+def diagnose(export_dir: Path, line: str) -> list[str]:
+    export_dir = Path(export_dir)
+    manifest_path = export_dir / "export_manifest.json"
+    if not manifest_path.is_file():
+        raise UserError(f"{export_dir} is not an eaglepipe export (no export_manifest.json)")
+    manifest = json.loads(manifest_path.read_text())
+    launch = parse_launch(line)
+    findings = []
+    algo = (launch["algorithm"] or "").upper()
+    if algo != "EAGLE3":
+        flag = "--speculative-algorithm EAGLE3" if launch["engine"] == "sglang" else '"method": "eagle3"'
+        findings.append(f"speculative algorithm is {launch['algorithm']!r}, not EAGLE3: the aux hidden states are "
+                        f"never captured and fc is bypassed -> use {flag}")
+    if not launch["draft"] or Path(launch["draft"]).resolve() != export_dir.resolve():
+        findings.append(f"the draft path {launch['draft']!r} is not this export -> point it at {export_dir}")
+    if manifest["engine"] != launch["engine"]:
+        findings.append(f"this export is in {manifest['engine']}'s layout but the line starts {launch['engine']} -> "
+                        f"use {export_dir.parent / launch['engine']}")
+    facts = json.loads((Path(manifest["run_dir"]) / "features" / "manifest.json").read_text())["facts"]
+    findings += [f"{p} -> re-export with `eaglepipe stage=export run_dir={manifest['run_dir']}`"
+                 for p in check_export(export_dir, manifest["engine"], facts)]
+    return findings
+
+
+def run(cfg) -> Path:
+    if not cfg.export_dir or not cfg.launch:
+        raise UserError("doctor needs export_dir=<export folder> launch='<server launch line>'")
+    findings = diagnose(Path(cfg.export_dir), cfg.launch)
+    for f in findings:
+        print(f"doctor: {f}")
+    if findings:
+        raise UserError(f"{len(findings)} problem(s) between {cfg.export_dir} and the launch line")
+    print("doctor: the launch line serves this export with EAGLE3 and the right layout")
+    return Path(cfg.export_dir)

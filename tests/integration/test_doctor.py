@@ -1,0 +1,62 @@
+"""doctor flags each launch-line mistake of the seed failure, with its fix."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pipeline.doctor import diagnose
+from pipeline.stages import run_stages
+
+pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def export_dir(make_cfg, tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("doctor_run")
+    run_stages(make_cfg("+experiment=tiny", "data.limit=16", "train.max_steps=4", "export.verify_in_engine=false",
+                        run_dir=run_dir))
+    return run_dir / "export"
+
+
+def test_the_generated_serve_lines_are_healthy(export_dir):
+    for engine in ("sglang", "vllm"):
+        assert diagnose(export_dir / engine, (export_dir / engine / "serve.sh").read_text()) == []
+
+
+@pytest.mark.parametrize("edit,finding", [
+    (lambda l: l.replace("EAGLE3", "EAGLE"), "not EAGLE3"),
+    (lambda l: l.replace("export/sglang", "export/old"), "is not this export"),
+])
+def test_sglang_launch_mistakes_are_flagged(export_dir, edit, finding):
+    line = edit((export_dir / "sglang" / "serve.sh").read_text())
+    assert any(finding in f for f in diagnose(export_dir / "sglang", line))
+
+
+def test_vllm_layout_given_to_sglang_is_flagged(export_dir):
+    line = (export_dir / "sglang" / "serve.sh").read_text().replace("export/sglang", "export/vllm")
+    findings = diagnose(export_dir / "vllm", line)
+    assert any("vllm's layout but the line starts sglang" in f for f in findings)
+
+
+def test_vllm_eagle_instead_of_eagle3_and_missing_aux_ids_are_flagged(export_dir, tmp_path):
+    import shutil
+    bad = tmp_path / "vllm"
+    shutil.copytree(export_dir / "vllm", bad)
+    c = json.loads((bad / "config.json").read_text())
+    c.pop("eagle_aux_hidden_state_layer_ids")
+    (bad / "config.json").write_text(json.dumps(c))
+    line = (export_dir / "vllm" / "serve.sh").read_text().replace('"eagle3"', '"eagle"').replace(str(export_dir / "vllm"), str(bad))
+    findings = diagnose(bad, line)
+    assert any("not EAGLE3" in f for f in findings) and any("aux layer ids missing" in f for f in findings)
+
+
+def test_doctor_cli_exits_2_with_the_findings(export_dir, cache_dir):
+    line = (export_dir / "sglang" / "serve.sh").read_text().replace("EAGLE3", "EAGLE")
+    r = subprocess.run([sys.executable, "-m", "pipeline", "stage=doctor", f"cache_dir={cache_dir}",
+                        f"export_dir={export_dir / 'sglang'}", f"launch='{line.strip()}'", f"run_dir={export_dir}/doc"],
+                       cwd=ROOT, capture_output=True, text=True)
+    assert r.returncode == 2 and "doctor: speculative algorithm is 'EAGLE'" in r.stdout, r.stdout + r.stderr
