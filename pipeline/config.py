@@ -168,6 +168,14 @@ class ExportConfig:
 
 
 @dataclass
+class EvalConfig:
+    num_prompts: int = 8  # held-out validation samples, cut where the assistant starts answering
+    prompt_tokens: int = 384  # longest prompt used
+    max_new_tokens: int = 32
+    max_draft: int = 5  # draft lengths 1..max_draft
+
+
+@dataclass
 class Config:
     stage: Stage = Stage.all
     run_name: str = "default"
@@ -181,6 +189,7 @@ class Config:
     vocab: VocabConfig = field(default_factory=VocabConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     export: ExportConfig = field(default_factory=ExportConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     # stage=doctor only
     export_dir: Optional[str] = None
     launch: Optional[str] = None
@@ -196,3 +205,4 @@ def register() -> None:
     cs.store(group="vocab", name="base_vocab", node=VocabConfig)
     cs.store(group="train", name="base_train", node=TrainConfig)
     cs.store(group="export", name="base_export", node=ExportConfig)
+    cs.store(group="eval", name="base_eval", node=EvalConfig)

@@ -120,15 +120,19 @@ def run(cfg) -> Path:
     fwd = dict(ttt_steps=t.ttt_steps, ttt_step_loss_decay=t.ttt_step_loss_decay, loss_config=loss_config)
     root = out_dir(cfg)
     root.mkdir(parents=True, exist_ok=True)
+    shaping = {k: v for k, v in OmegaConf.to_container(t, resolve=True).items()
+               if k not in ("log_every_steps", "val_every_steps", "save_every_steps", "keep_last", "resume",
+                            "num_workers", "wandb", "device")}
     upstream = {"features_manifest_hash": store.manifest_hash(), "vocab_coverage": vman["coverage"],
-                "target_fingerprint": store.facts["target_fingerprint"]}
+                "target_fingerprint": store.facts["target_fingerprint"], "train_config_hash": digest(shaping)}
     step, epoch, done_in_epoch = 0, 0, 0
     found = checkpoint.latest(root) if t.resume == "auto" else None
     if found:
         accelerator.load_state(str(found[0]))
         state = found[1]
         if state["upstream"] != upstream or state["seed"] != cfg.seed:
-            raise UserError(f"checkpoint {found[0]} was trained on other inputs; use a new run_dir or train.resume=never")
+            raise UserError(f"checkpoint {found[0]} was trained on other inputs or another train config; "
+                            "use a new run_dir or train.resume=never")
         step, epoch, done_in_epoch = state["optimizer_step"], state["epoch"], state["batches_done_in_epoch"]
         log.info("train: resumed from %s (step %d, epoch %d, %d batches into it)", found[0], step, epoch, done_in_epoch)
     elif accelerator.is_main_process:
