@@ -28,7 +28,7 @@ def test_stage_all_skips_fresh_stages_and_redoes_what_changed(make_cfg, tmp_path
     cfg = make_cfg("+experiment=tiny", "data.limit=4", run_dir=tmp_path)
     run_stages(cfg)
     first = read_records(tmp_path)
-    assert set(first) == {"prepare", "extract", "vocab", "train", "export"}
+    assert set(first) == {"prepare", "extract", "vocab", "train", "export", "evaluate"}
     caplog.clear()
     run_stages(cfg)
     for stage in first:
@@ -62,7 +62,7 @@ def test_an_incomplete_stage_is_not_skipped(make_cfg, tmp_path):
 @pytest.mark.parametrize("args,message", [
     (["target=llama3_8b", "target.path=/nonexistent/model", "stage=prepare"], "target path /nonexistent/model does not exist"),
     (["target=tiny", "stage=extract", "extract.aux_layers=[1,8]"], r"aux layer ids \[8\] outside \[0, 7\]"),
-    (["target=tiny", "stage=evaluate"], "stage evaluate is not built yet"),
+    (["target=tiny", "stage=evaluate"], "run stage=export first"),
     (["target=tiny", "stage=train"], "run stage=extract first"),
     (["target=tiny", "stage=extract"], "run stage=prepare first"),
     (["target=tiny", "data=sharegpt", "data.path=/nonexistent.jsonl", "stage=prepare"], "does not exist"),
