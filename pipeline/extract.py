@@ -110,6 +110,17 @@ def plan_batches(lengths: list[int], batch_tokens: int, max_batch_size: int) -> 
     return batches
 
 
+def pad_batch(seqs: list) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-padded input_ids and attention mask: real tokens keep their positions."""
+    width = max(len(x) for x in seqs)
+    input_ids = torch.zeros(len(seqs), width, dtype=torch.long)
+    attn = torch.zeros(len(seqs), width, dtype=torch.long)
+    for r, x in enumerate(seqs):
+        input_ids[r, : len(x)] = torch.as_tensor(x)
+        attn[r, : len(x)] = 1
+    return input_ids, attn
+
+
 class Capture:
     """Forward hooks on decoder layers; `__call__` returns (aux [B,T,n*H], last [B,T,H]) in bf16."""
 
@@ -198,12 +209,7 @@ def _extract_shards(cfg, ds, todo, capture, facts, manifest, device, hidden: int
             rows = ds.select(range(spec.sample_start, spec.sample_end))
             ids_all, mask_all = rows["input_ids"], rows["loss_mask"]
             for batch in plan_batches(spec.lengths, ex.batch_tokens, ex.max_batch_size):
-                width = spec.lengths[batch[0]]
-                input_ids = torch.zeros(len(batch), width, dtype=torch.long)
-                attn = torch.zeros(len(batch), width, dtype=torch.long)
-                for r, i in enumerate(batch):  # right padding: real tokens keep their positions
-                    input_ids[r, : spec.lengths[i]] = torch.tensor(ids_all[i])
-                    attn[r, : spec.lengths[i]] = 1
+                input_ids, attn = pad_batch([ids_all[i] for i in batch])
                 aux_h, last_h = capture(input_ids.to(device), attn.to(device))
                 aux_h, last_h = aux_h.cpu(), last_h.cpu()
                 for r, i in enumerate(batch):  # a copy into the shard's host buffer

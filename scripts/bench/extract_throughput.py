@@ -33,14 +33,7 @@ def sync(device):
 def batches(cfg, ds, lengths):
     for spec in extract.plan_shards(lengths, cfg.extract.shard_tokens):
         for b in extract.plan_batches(spec.lengths, cfg.extract.batch_tokens, cfg.extract.max_batch_size):
-            g = [spec.sample_start + i for i in b]
-            width = int(lengths[g[0]])
-            ids = torch.zeros(len(g), width, dtype=torch.long)
-            attn = torch.zeros_like(ids)
-            for r, s in enumerate(g):
-                ids[r, : lengths[s]] = torch.tensor(ds[s])
-                attn[r, : lengths[s]] = 1
-            yield ids, attn
+            yield extract.pad_batch([ds[spec.sample_start + i] for i in b])
 
 
 def timed(fn, device) -> float:
