@@ -74,13 +74,3 @@ def run(cfg) -> Path:
              K, 100 * coverage, freq.sum(), report["distinct_ids_seen"], padded)
     return out_dir(cfg)
 
-
-def load_checked(cfg, store: fs.FeatureStore):
-    """(d2t, t2d, manifest) of run_dir/vocab, refusing a vocabulary built from other features."""
-    try:
-        d2t, t2d, manifest = vocab_map.load(out_dir(cfg))
-    except vocab_map.VocabError as e:
-        raise UserError(f"{e}; run stage=vocab") from None
-    if manifest["features_manifest_hash"] != store.manifest_hash():
-        raise UserError(f"{out_dir(cfg)} was built from other features than {store.root}; rerun stage=vocab")
-    return d2t, t2d, manifest
