@@ -1,18 +1,19 @@
 # The two commands a fresh machine needs (README): `make demo` and `make test`.
-.PHONY: setup setup-sglang demo test test-fast
+.PHONY: setup setup-engines demo test test-fast
 setup:
 	./scripts/setup.sh
 
-# .venv-sglang: SGLang's own model class for export verification (torch 2.14.1; kept apart from .venv)
-setup-sglang:
-	./scripts/setup_sglang.sh
+# .venv-sglang, .venv-vllm: each engine's own model class for `verify` (torch 2.14.1; kept apart from .venv)
+setup-engines:
+	./scripts/setup_engine.sh sglang
+	./scripts/setup_engine.sh vllm
 
-# prepare -> extract -> vocab -> train on the embedded default (SmolLM2-135M-Instruct + chitchat), on CPU
-demo: setup setup-sglang
+# prepare -> extract -> vocab -> train -> export (+verify) -> evaluate on the embedded default (SmolLM2-135M-Instruct + chitchat), on CPU
+demo: setup setup-engines
 	.venv/bin/eaglepipe stage=all +experiment=demo
 
 # everything except hardware-bound markers; pytest exit 5 ("no tests ran") is not a failure
-test: setup setup-sglang
+test: setup setup-engines
 	.venv/bin/python -m pytest -m "not gpu" -q; rc=$$?; [ $$rc -eq 5 ] && exit 0; exit $$rc
 
 test-fast: setup

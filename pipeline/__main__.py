@@ -1,4 +1,6 @@
-"""`eaglepipe` / `python -m pipeline`: the only Hydra entry point; runs cfg.stage (or all stages in order)."""
+"""`eaglepipe` / `python -m pipeline`: the only Hydra entry point; runs cfg.stage (or all stages in order).
+
+`eaglepipe STAGE key=value ...` is shorthand for `eaglepipe stage=STAGE key=value ...`."""
 
 import logging
 import sys
@@ -27,6 +29,9 @@ def app(cfg: DictConfig) -> None:
 
 
 def main() -> None:
+    # `eaglepipe verify export_dir=...` is `eaglepipe stage=verify export_dir=...`
+    if len(sys.argv) > 1 and "=" not in sys.argv[1] and not sys.argv[1].startswith("-"):
+        sys.argv[1] = f"stage={sys.argv[1]}"
     app()
 
 

@@ -20,7 +20,10 @@ class Stage(str, Enum):
     export = "export"
     evaluate = "evaluate"
     all = "all"
-    doctor = "doctor"  # not part of `all`: checks an export against a server launch line
+    # tools, not part of `all`:
+    verify = "verify"  # an export through the engine's own class and loader (export_dir=..., engine=...)
+    serve = "serve"  # print the launch command of an export (engine=...)
+    doctor = "doctor"  # an export against a server launch line
 
 
 class TargetSource(str, Enum):
@@ -74,6 +77,9 @@ class DataConfig:
 @dataclass
 class PrepareConfig:
     max_len: int = 2048
+    # Cut conversations after this many assistant turns (null = keep all). Regeneration is turn by turn, so
+    # long chats cost one batched generate round per turn; text past max_len is never trained on anyway.
+    max_assistant_turns: Optional[int] = None
     regenerate: bool = False
     regenerate_endpoint: Optional[str] = None  # OpenAI-compatible base URL, e.g. http://localhost:30000
     regenerate_model: Optional[str] = None  # model name sent to the endpoint; null = the target's name
@@ -162,9 +168,10 @@ class ServeConfig:
 class ExportConfig:
     engines: list[str] = field(default_factory=lambda: ["sglang", "vllm"])
     serve: ServeConfig = field(default_factory=ServeConfig)
-    # Load the SGLang export into sglang's own LlamaForCausalLMEagle3 (a separate venv: make setup-sglang).
+    # Load each export into the engine's own class (own venvs: make setup-engines).
     verify_in_engine: bool = True
     sglang_python: Optional[str] = None  # null = <repo>/.venv-sglang/bin/python
+    vllm_python: Optional[str] = None  # null = <repo>/.venv-vllm/bin/python
 
 
 @dataclass
@@ -173,6 +180,7 @@ class EvalConfig:
     prompt_tokens: int = 384  # longest prompt used
     max_new_tokens: int = 32
     max_draft: int = 5  # draft lengths 1..max_draft
+    device: str = "auto"  # the target and the draft run in fp32 here, on this device
 
 
 @dataclass
@@ -190,9 +198,10 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     export: ExportConfig = field(default_factory=ExportConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
-    # stage=doctor only
-    export_dir: Optional[str] = None
-    launch: Optional[str] = None
+    # the tools (verify, serve, doctor)
+    export_dir: Optional[str] = None  # an export folder; null = run_dir/export/<engine>
+    engine: Optional[str] = None  # sglang | vllm; null = the export's own (verify) or every exported engine
+    launch: Optional[str] = None  # doctor: the server launch line
 
 
 def register() -> None:

@@ -13,7 +13,7 @@ import shlex
 from pathlib import Path
 
 from pipeline.errors import UserError
-from pipeline.export import check_export
+from pipeline.verify import check_export, read_export
 
 log = logging.getLogger(__name__)
 
@@ -41,10 +41,7 @@ def parse_launch(line: str) -> dict:
 
 def diagnose(export_dir: Path, line: str) -> list[str]:
     export_dir = Path(export_dir)
-    manifest_path = export_dir / "export_manifest.json"
-    if not manifest_path.is_file():
-        raise UserError(f"{export_dir} is not an eaglepipe export (no export_manifest.json)")
-    manifest = json.loads(manifest_path.read_text())
+    manifest, facts = read_export(export_dir)
     launch = parse_launch(line)
     findings = []
     algo = (launch["algorithm"] or "").upper()
@@ -57,7 +54,6 @@ def diagnose(export_dir: Path, line: str) -> list[str]:
     if manifest["engine"] != launch["engine"]:
         findings.append(f"this export is in {manifest['engine']}'s layout but the line starts {launch['engine']} -> "
                         f"use {export_dir.parent / launch['engine']}")
-    facts = json.loads((Path(manifest["run_dir"]) / "features" / "manifest.json").read_text())["facts"]
     findings += [f"{p} -> re-export with `eaglepipe stage=export run_dir={manifest['run_dir']}`"
                  for p in check_export(export_dir, manifest["engine"], facts)]
     return findings

@@ -46,14 +46,14 @@ def is_complete(cfg) -> bool:
 class ExportedDraft:
     """SGLang's LlamaForCausalLMEagle3 forward (one layer, no tree), from an export's tensors, in fp32."""
 
-    def __init__(self, tensors: dict, config: dict, embed: torch.Tensor):
-        self.w = {k: v.float() if v.is_floating_point() else v for k, v in tensors.items()}
-        self.c, self.embed = config, embed.float()
+    def __init__(self, tensors: dict, config: dict, embed: torch.Tensor, device: torch.device | str = "cpu"):
+        self.w = {k: (v.float() if v.is_floating_point() else v).to(device) for k, v in tensors.items()}
+        self.c, self.embed = config, embed.float().to(device)
         self.heads, self.kv = config["num_attention_heads"], config["num_key_value_heads"]
         self.hd = config.get("head_dim") or config["hidden_size"] // self.heads
         self.eps = config["rms_norm_eps"]
         theta = (config.get("rope_parameters") or {}).get("rope_theta", config.get("rope_theta", 10000.0))
-        self.inv_freq = 1.0 / theta ** (torch.arange(0, self.hd, 2).float() / self.hd)
+        self.inv_freq = (1.0 / theta ** (torch.arange(0, self.hd, 2).float() / self.hd)).to(device)
         self.d2t = self.w["d2t"]
 
     def _rms(self, x, name):
@@ -94,8 +94,9 @@ def speculate(model, capture: Capture, dr: ExportedDraft, prompt: list[int], max
     """Greedy chain speculative decoding. Returns (generated ids, accepted-per-round list)."""
     from transformers import DynamicCache
 
+    dev = model.device
     past = DynamicCache()
-    out = model(input_ids=torch.tensor([prompt]), past_key_values=past, use_cache=True)
+    out = model(input_ids=torch.tensor([prompt], device=dev), past_key_values=past, use_cache=True)
     aux = torch.cat([capture.seen[i] for i in capture.aux_ids], -1)[0]
     nxt = int(out.logits[0, -1].argmax())
     ctx_tok, ctx_hid = prompt[1:] + [nxt], dr.fuse(aux)  # draft input at position t: token t+1, fused aux t
@@ -103,12 +104,12 @@ def speculate(model, capture: Capture, dr: ExportedDraft, prompt: list[int], max
     while len(generated) < max_new and nxt != eos:
         tok, hid, props = list(ctx_tok), ctx_hid, []
         for _ in range(k):  # the chain: each step feeds the draft's own output hidden state back
-            pos = torch.arange(1, len(tok) + 1)
-            h = dr.layer(torch.tensor(tok), hid, pos)[-1]
+            pos = torch.arange(1, len(tok) + 1, device=dev)
+            h = dr.layer(torch.tensor(tok, device=dev), hid, pos)[-1]
             props.append(dr.next_target_id(h))
             tok, hid = tok + [props[-1]], torch.cat([hid, h[None]])
         seq_len = past.get_seq_length()
-        out = model(input_ids=torch.tensor([[nxt] + props]), past_key_values=past, use_cache=True)
+        out = model(input_ids=torch.tensor([[nxt] + props], device=dev), past_key_values=past, use_cache=True)
         verify = out.logits[0].argmax(-1).tolist()
         a = 0
         while a < k and verify[a] == props[a]:
@@ -134,15 +135,16 @@ def run(cfg) -> Path:
     store = fs.FeatureStore(Path(cfg.run_dir) / "features")
     folder = Path(store.facts["target_path"])
     tok = targets.load_tokenizer(folder, cfg.target)
-    model = targets.load_model(folder, cfg.target, torch.device("cpu"), torch.float32, "sdpa")
+    device, _ = targets.pick_device_dtype(e.device, "fp32")  # fp32: greedy equality is exact, not bf16-noisy
+    model = targets.load_model(folder, cfg.target, device, torch.float32, "sdpa")
     capture = Capture(model, store.aux_layer_ids)
     config = json.loads((export / "config.json").read_text())
     embed = model.get_input_embeddings().weight.detach()
-    trained = ExportedDraft(load_file(str(export / "model.safetensors")), config, embed)
-    untrained = ExportedDraft(untrained_tensors(cfg, store, folder), config, embed)
+    trained = ExportedDraft(load_file(str(export / "model.safetensors")), config, embed, device)
+    untrained = ExportedDraft(untrained_tensors(cfg, store, folder), config, embed, device)
     prompts = heldout_prompts(cfg, store, e.num_prompts, e.prompt_tokens)
     report = {"prompts": len(prompts), "max_new_tokens": e.max_new_tokens, "draft_lengths": list(range(1, e.max_draft + 1))}
-    greedy_refs = [model.generate(torch.tensor([p]), max_new_tokens=e.max_new_tokens, do_sample=False,
+    greedy_refs = [model.generate(torch.tensor([p], device=device), max_new_tokens=e.max_new_tokens, do_sample=False,
                                   eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)[0, len(p):].tolist()
                    for p in prompts]  # plain greedy decoding, the reference every speculative run must equal
     for name, dr in (("trained", trained), ("untrained", untrained)):

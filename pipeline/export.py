@@ -2,9 +2,8 @@
 
 run_dir/export/<engine>/: config.json, model.safetensors (bf16 weights, d2t int64, t2d bool), serve.sh,
 export_manifest.json (what produced it, aux ids in eaglepipe and engine numbering, tensor std/norm table).
-Every export is checked before the stage succeeds (`check_export`, also usable on any export folder):
-engine-free checks plus, for SGLang, a replay of its 0.5.23 `load_weights` name mapping against its
-parameter table (pipeline/formats/export_layouts.py). Loading into the engines' own classes is issue #4.
+Every export is verified before it is published (pipeline/verify.py: engine-free checks, then the engine's
+own class and loader unless export.verify_in_engine=false); `eaglepipe verify` repeats that on any export.
 """
 
 from __future__ import annotations
@@ -18,7 +17,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from pipeline import __version__, targets
+from pipeline import __version__, verify
 from pipeline.errors import UserError
 from pipeline.formats import export_layouts as lay
 from pipeline.formats import feature_store as fs
@@ -89,10 +88,10 @@ def run(cfg) -> Path:
                     "engine_version_read": lay.SGLANG_VERSION if engine == "sglang" else lay.VLLM_VERSION,
                     "aux_layer_ids_engine": engine_ids, **provenance, "tensors": rows}
         (tmp / "export_manifest.json").write_text(json.dumps(manifest, indent=1))
-        problems = check_export(tmp, engine, store.facts)
-        if engine == "sglang" and cfg.export.verify_in_engine and not problems:
-            report = sglang_engine_report(tmp, cfg.export.sglang_python)
-            problems += engine_problems(report)
+        problems, report = verify.verify_export(tmp, engine, store.facts, store.facts["target_path"],
+                                                cfg.export.verify_in_engine,
+                                                cfg.export.sglang_python if engine == "sglang" else cfg.export.vllm_python)
+        if report:
             manifest["verified_by"] = {k: report[k] for k in ("engine", "engine_version", "class")}
             (tmp / "export_manifest.json").write_text(json.dumps(manifest, indent=1))
         if problems:
@@ -138,97 +137,3 @@ def serve_command(engine: str, target: str, export: Path, serve) -> str:
                 f"--dtype bfloat16")
     spec = json.dumps({"method": "eagle3", "model": str(export), "num_speculative_tokens": serve.num_steps})
     return f"vllm serve {target} --speculative-config '{spec}' --dtype bfloat16"
-
-
-def sglang_engine_report(folder: Path, python: str | None = None) -> dict:
-    """Run pipeline/engines/sglang_verify.py in the sglang virtualenv; its JSON report."""
-    import subprocess
-    import sys
-
-    root = Path(__file__).resolve().parents[1]
-    python = python or str(root / ".venv-sglang" / "bin" / "python")
-    if not Path(python).exists():
-        raise UserError(f"verifying against SGLang's own class needs {python}: run `make setup-sglang` "
-                        "(or export.verify_in_engine=false to skip it, knowingly)")
-    r = subprocess.run([python, "-m", "pipeline.engines.sglang_verify", str(folder)], cwd=root,
-                       capture_output=True, text=True, timeout=600)
-    if r.returncode != 0:
-        raise RuntimeError(f"sglang verification crashed:\n{r.stderr[-3000:]}")
-    return json.loads(r.stdout.strip().splitlines()[-1])
-
-
-def engine_problems(report: dict) -> list[str]:
-    who = f"{report['class']} (sglang {report['engine_version']})"
-    problems = [f"{who} raised while loading: {e}" for e in report["errors"]]
-    if report["dropped"]:
-        problems.append(f"{who} silently dropped {len(report['dropped'])} tensors: {report['dropped'][:4]}")
-    if report["unwritten"] or report["partly_written"]:
-        problems.append(f"{who} parameters not written by the export: {(report['unwritten'] + report['partly_written'])[:4]}")
-    if report["hot_token_id_ok"] is False:
-        problems.append(f"{who} hot_token_id != arange + d2t")
-    return problems
-
-
-def check_export(folder: Path, engine: str, facts: dict) -> list[str]:
-    """Every problem with an export folder, engine-free checks first. Empty list = good."""
-    folder = Path(folder)
-    config = json.loads((folder / "config.json").read_text())
-    tensors = load_file(str(folder / "model.safetensors"))
-    problems = []
-    hidden, V = int(facts["hidden_size"]), int(facts["vocab_size"])
-    want_ids = facts["aux_layer_ids"]
-    ids = ((config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids") if engine == "sglang"
-           else config.get("eagle_aux_hidden_state_layer_ids"))
-    engine_want = lay.sglang_layer_ids(want_ids) if engine == "sglang" else lay.vllm_layer_ids(want_ids)
-    if not ids:
-        problems.append("aux layer ids missing from config.json: the engine would capture its default layers")
-    elif ids != engine_want:
-        problems.append(f"aux layer ids {ids} != {engine_want} ({engine} numbering of the store's {want_ids})")
-    fc = tensors.get("fc.weight")
-    if fc is None:
-        problems.append("fc.weight missing")
-    elif fc.shape[1] != len(want_ids) * hidden:
-        problems.append(f"fc.weight takes {fc.shape[1]} inputs, expected n_aux x hidden = {len(want_ids)} x {hidden}")
-    if "d2t" not in tensors or "t2d" not in tensors:
-        problems.append("d2t/t2d missing")
-    else:
-        try:
-            vocab_map.validate(tensors["d2t"], tensors["t2d"], V, config.get("draft_vocab_size"))
-        except vocab_map.VocabError as e:
-            problems.append(f"vocab: {e}")
-    for row in lay.tensor_table(tensors):
-        if not row["finite"]:
-            problems.append(f"{row['name']} has non-finite values")
-        elif lay.is_dead(row):
-            problems.append(f"{row['name']} is constant (std 0, norm {row['norm']:.3g}): not a trained weight")
-    if engine == "sglang":
-        problems += _check_sglang(config, tensors, facts)
-    else:
-        bad = [k for k in tensors if not (k.startswith(("layers.0.", "fc.", "norm.", "lm_head.")) or k in ("d2t", "t2d"))]
-        if bad:
-            problems.append(f"vLLM's eagle3 loader raises on unknown names: {bad[:4]}")
-    return problems
-
-
-def _check_sglang(config: dict, tensors: dict, facts: dict) -> list[str]:
-    problems = []
-    if config.get("architectures") != ["LlamaForCausalLMEagle3"]:
-        problems.append(f"architectures {config.get('architectures')} != ['LlamaForCausalLMEagle3']")
-    if not config.get("draft_vocab_size"):
-        problems.append("draft_vocab_size missing: SGLang would use the target's lm_head, not the draft's")
-    heads, kv = config["num_attention_heads"], config["num_key_value_heads"]
-    shape = lay.Shape(hidden=config["hidden_size"], target_hidden=int(facts["hidden_size"]),
-                      n_aux=len(facts["aux_layer_ids"]), heads=heads, kv_heads=kv,
-                      head_dim=config.get("head_dim") or config["hidden_size"] // heads,
-                      intermediate=config["intermediate_size"], vocab=int(facts["vocab_size"]),
-                      draft_vocab=int(config.get("draft_vocab_size") or 0))
-    report = lay.sglang_load_report(tensors, lay.sglang_param_table(shape))
-    if report["dropped"]:
-        problems.append(f"SGLang {lay.SGLANG_VERSION} would silently drop {report['dropped'][:4]}")
-    if report["unwritten"]:
-        problems.append(f"SGLang parameters never written: {report['unwritten'][:4]}")
-    problems += report["shape_problems"]
-    hot = report["hot_token_id"]
-    if hot is not None and "t2d" in tensors and not bool(tensors["t2d"][hot.clamp(0, len(tensors["t2d"]) - 1)].all()):
-        problems.append("SGLang's hot_token_id (arange + d2t) does not point at the t2d ids")
-    return problems

@@ -55,6 +55,19 @@ def fingerprint(cfg) -> str:
                    "prepare": OmegaConf.to_container(cfg.prepare, resolve=True, enum_to_str=True)})
 
 
+def cut_turns(convs: list[dict], max_turns: int | None) -> int:
+    """Keep each conversation up to and including its max_turns-th assistant turn; returns how many were cut."""
+    if not max_turns:
+        return 0
+    cut = 0
+    for c in convs:
+        idx = [i for i, m in enumerate(c["messages"]) if m["role"] == "assistant"]
+        if len(idx) > max_turns:
+            c["messages"] = c["messages"][: idx[max_turns - 1] + 1]
+            cut += 1
+    return cut
+
+
 def is_complete(cfg) -> bool:
     return (out_dir(cfg) / "stats.json").is_file()
 
@@ -68,6 +81,10 @@ def run(cfg) -> Path:
     if not convs:
         raise UserError(f"data={cfg.data.name}: no usable conversation (skipped: {problems.as_dict()})")
     log.info("prepare: %d conversations from %s (skipped %d)", len(convs), cfg.data.name, sum(problems.counts.values()))
+    cut = cut_turns(convs, cfg.prepare.max_assistant_turns)
+    if cut:
+        log.info("prepare: %d conversations cut after their first %d assistant turns (prepare.max_assistant_turns)",
+                 cut, cfg.prepare.max_assistant_turns)
     regen_stats = regenerate(cfg, folder, tok, convs) if cfg.prepare.regenerate else None
 
     rows = {"input_ids": [], "loss_mask": [], "sample_id": [], "source_id": []}

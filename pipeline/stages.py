@@ -21,6 +21,7 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 ORDER = ["prepare", "extract", "vocab", "train", "export", "evaluate"]
+TOOLS = ["verify", "serve", "doctor"]  # read an export; no fingerprints, never part of `all`
 
 
 def digest(obj) -> str:
@@ -47,8 +48,8 @@ def selected(stage: str) -> list[str]:
 
 def run_stages(cfg) -> None:
     stage = str(getattr(cfg.stage, "value", cfg.stage))
-    if stage == "doctor":
-        importlib.import_module("pipeline.doctor").run(cfg)
+    if stage in TOOLS:
+        importlib.import_module(f"pipeline.{stage}").run(cfg)
         return
     names = selected(stage)
     run_dir = Path(cfg.run_dir)

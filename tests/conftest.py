@@ -39,3 +39,38 @@ def tiny_folder(make_cfg, cache_dir):
 def smol_folder(make_cfg, cache_dir):
     from pipeline import targets
     return targets.resolve(make_cfg("target=smollm2").target, cache_dir)
+
+
+@pytest.fixture(scope="session")
+def exported_run(make_cfg, tmp_path_factory):
+    """One tiny run through export (both layouts, each verified in its engine's own class): (run_dir, facts)."""
+    from pipeline.formats.feature_store import FeatureStore
+    from pipeline.stages import run_stages
+
+    run_dir = tmp_path_factory.mktemp("exported_run")
+    for stage in ("prepare", "extract", "vocab", "train", "export"):
+        run_stages(make_cfg("+experiment=tiny", "data.limit=16", "train.max_steps=4", f"stage={stage}", run_dir=run_dir))
+    return run_dir, FeatureStore(run_dir / "features").facts
+
+
+@pytest.fixture(scope="session")
+def mutate():
+    return mutated_copy
+
+
+def mutated_copy(src: Path, dst: Path, tensors=None, config=None) -> Path:
+    """A copy of export folder `src` at `dst` with its tensors and/or config.json edited in place."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    if tensors:
+        t = load_file(str(dst / "model.safetensors"))
+        save_file(tensors(t), str(dst / "model.safetensors"))
+    if config:
+        c = json.loads((dst / "config.json").read_text())
+        config(c)
+        (dst / "config.json").write_text(json.dumps(c))
+    return dst

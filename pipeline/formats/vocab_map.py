@@ -50,6 +50,9 @@ def validate(d2t: torch.Tensor, t2d: torch.Tensor, target_vocab_size: int, draft
         problems.append(f"len(d2t)={d2t.shape[0]} != draft vocab {draft_vocab_size}")
     if problems:
         raise VocabError("; ".join(problems))
+    if t2d.any() and d2t.shape[0] == int(t2d.sum()) and torch.equal(d2t, torch.nonzero(t2d).flatten()):
+        raise VocabError("d2t holds absolute target ids (d2t[i] = the i-th draft token's target id); engines "
+                         "compute target = i + d2t[i], so d2t must hold offsets: d2t[i] = target_id - i")
     target = torch.arange(d2t.shape[0]) + d2t
     if not bool((target[1:] > target[:-1]).all()):
         problems.append("i + d2t[i] is not strictly increasing")

@@ -8,18 +8,14 @@ from pathlib import Path
 import pytest
 
 from pipeline.doctor import diagnose
-from pipeline.stages import run_stages
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
-def export_dir(make_cfg, tmp_path_factory):
-    run_dir = tmp_path_factory.mktemp("doctor_run")
-    run_stages(make_cfg("+experiment=tiny", "data.limit=16", "train.max_steps=4", "export.verify_in_engine=false",
-                        run_dir=run_dir))
-    return run_dir / "export"
+def export_dir(exported_run):
+    return exported_run[0] / "export"
 
 
 def test_the_generated_serve_lines_are_healthy(export_dir):
@@ -60,3 +56,25 @@ def test_doctor_cli_exits_2_with_the_findings(export_dir, cache_dir):
                         f"export_dir={export_dir / 'sglang'}", f"launch='{line.strip()}'", f"run_dir={export_dir}/doc"],
                        cwd=ROOT, capture_output=True, text=True)
     assert r.returncode == 2 and "doctor: speculative algorithm is 'EAGLE'" in r.stdout, r.stdout + r.stderr
+
+
+def test_verify_and_serve_commands_name_the_engine_versions_and_print_the_launch_lines(export_dir, cache_dir):
+    run_dir = export_dir.parent
+    r = subprocess.run([sys.executable, "-m", "pipeline", "verify", f"cache_dir={cache_dir}", f"run_dir={run_dir}"],
+                       cwd=ROOT, capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "loads completely into sglang 0.5.23's own LlamaForCausalLMEagle3" in r.stdout
+    assert "loads completely into vllm 0.33.0's own Eagle3LlamaForCausalLM" in r.stdout
+    r = subprocess.run([sys.executable, "-m", "pipeline", "serve", "engine=sglang", f"cache_dir={cache_dir}",
+                        f"run_dir={run_dir}"], cwd=ROOT, capture_output=True, text=True)
+    assert r.returncode == 0 and "--speculative-algorithm EAGLE3" in r.stdout, r.stdout + r.stderr
+
+
+def test_verify_of_a_broken_export_exits_2_naming_the_problem(export_dir, cache_dir, mutate, tmp_path):
+    import torch
+    bad = mutate(export_dir / "sglang", tmp_path / "sglang",
+                 tensors=lambda t: {**t, "fc.weight": torch.zeros_like(t["fc.weight"])})
+    r = subprocess.run([sys.executable, "-m", "pipeline", "verify", f"export_dir={bad}", f"cache_dir={cache_dir}",
+                        f"run_dir={tmp_path}"], cwd=ROOT, capture_output=True, text=True)
+    assert r.returncode == 2 and "fc.weight is constant" in r.stdout, r.stdout + r.stderr
+    assert "eaglepipe: error: 1 of 1 export(s) failed verification" in r.stderr

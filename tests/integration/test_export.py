@@ -1,24 +1,20 @@
-"""Exports load completely by construction, and every seed failure injected into a good export is caught."""
+"""Exports load completely by construction, and every failure injected into a good export is caught."""
 
 import json
-import shutil
+import re
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
-from pipeline.export import check_export, engine_problems, sglang_engine_report
-from pipeline.formats.feature_store import FeatureStore
-from pipeline.stages import run_stages
+from pipeline.verify import check_export, engine_problems, engine_report
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def exported(make_cfg, tmp_path_factory):
-    run_dir = tmp_path_factory.mktemp("export_run")
-    run_stages(make_cfg("+experiment=tiny", "data.limit=16", "train.max_steps=4", run_dir=run_dir))
-    return run_dir, FeatureStore(run_dir / "features").facts
+def exported(exported_run):
+    return exported_run
 
 
 def test_exports_pass_their_checks_with_engine_numbering_and_layout(exported):
@@ -34,19 +30,6 @@ def test_exports_pass_their_checks_with_engine_numbering_and_layout(exported):
     for engine in ("sglang", "vllm"):
         assert check_export(run_dir / "export" / engine, engine, facts) == []
         assert "EAGLE3" in (run_dir / "export" / engine / "serve.sh").read_text().upper()
-
-
-def _mutated(run_dir, tmp_path, engine, tensors=None, config=None):
-    folder = tmp_path / engine
-    shutil.copytree(run_dir / "export" / engine, folder)
-    if tensors:
-        t = load_file(str(folder / "model.safetensors"))
-        save_file(tensors(t), str(folder / "model.safetensors"))
-    if config:
-        c = json.loads((folder / "config.json").read_text())
-        config(c)
-        (folder / "config.json").write_text(json.dumps(c))
-    return folder
 
 
 def _rename_all(t, prefix):
@@ -90,28 +73,36 @@ MUTATIONS = [
 
 
 @pytest.mark.parametrize("engine,mutation,message", MUTATIONS, ids=[f"{e}-{m}" for e, _, m in MUTATIONS])
-def test_each_injected_failure_is_caught(exported, tmp_path, engine, mutation, message):
+def test_each_injected_failure_is_caught(exported, mutate, tmp_path, engine, mutation, message):
     run_dir, facts = exported
-    problems = check_export(_mutated(run_dir, tmp_path, engine, **mutation), engine, facts)
-    import re
+    problems = check_export(mutate(run_dir / "export" / engine, tmp_path / engine, **mutation), engine, facts)
     assert any(re.search(message, p) for p in problems), problems
 
 
-def test_sglang_own_class_loads_the_export_completely(exported):
-    run_dir, _ = exported
-    manifest = json.loads((run_dir / "export" / "sglang" / "export_manifest.json").read_text())
-    assert manifest["verified_by"] == {"engine": "sglang", "engine_version": "0.5.23", "class": "LlamaForCausalLMEagle3"}
-    report = sglang_engine_report(run_dir / "export" / "sglang")
-    assert report["dropped"] == [] and report["unwritten"] == [] and report["hot_token_id_ok"] is True
-    assert "lm_head.weight" in report["consumed"] and "midlayer.self_attn.q_proj.weight" in report["consumed"]
+@pytest.mark.parametrize("engine", ["sglang", "vllm"])
+def test_engine_own_class_loads_the_export_completely(exported, engine):
+    run_dir, facts = exported
+    manifest = json.loads((run_dir / "export" / engine / "export_manifest.json").read_text())
+    version, cls = {"sglang": ("0.5.23", "LlamaForCausalLMEagle3"), "vllm": ("0.33.0", "Eagle3LlamaForCausalLM")}[engine]
+    assert manifest["verified_by"] == {"engine": engine, "engine_version": version, "class": cls}
+    report = engine_report(run_dir / "export" / engine, engine, facts["target_path"])
+    assert report["dropped"] == [] and report["unwritten"] == [] and report["partly_written"] == []
+    assert report["hot_token_id_ok"] is True and report["errors"] == []
+    assert report["aux_layer_ids_read"] == ([1, 3, 4] if engine == "sglang" else [2, 4, 5])
+    q = "midlayer.self_attn.q_proj.weight" if engine == "sglang" else "layers.0.self_attn.q_proj.weight"
+    assert "lm_head.weight" in report["consumed"] and q in report["consumed"]
     assert report["parameters"]["model.fc.weight"] == [64, 192]
+    assert engine_problems(report, report["aux_layer_ids_read"]) == []
 
 
-@pytest.mark.parametrize("mutation,message", [
-    (dict(tensors=lambda t: _rename_all(t, "draft_model.")), "silently dropped 13 tensors"),
-    (dict(tensors=_single_layer_fc), "raised while loading"),
-], ids=["draft_model-prefix", "single-layer-fc"])
-def test_sglang_own_class_catches_injected_failures(exported, tmp_path, mutation, message):
-    run_dir, _ = exported
-    problems = engine_problems(sglang_engine_report(_mutated(run_dir, tmp_path, "sglang", **mutation)))
+@pytest.mark.parametrize("engine,mutation,message", [
+    ("sglang", dict(tensors=lambda t: _rename_all(t, "draft_model.")), "silently dropped 13 tensors"),
+    ("sglang", dict(tensors=_single_layer_fc), "raised while loading"),
+    ("vllm", dict(tensors=lambda t: _rename_all(t, "draft_model.")), "raised while loading"),
+    ("vllm", dict(tensors=_absolute_d2t), "draft->target ids"),
+], ids=["sglang-draft_model-prefix", "sglang-single-layer-fc", "vllm-draft_model-prefix", "vllm-absolute-d2t"])
+def test_engine_own_class_catches_injected_failures(exported, mutate, tmp_path, engine, mutation, message):
+    run_dir, facts = exported
+    report = engine_report(mutate(run_dir / "export" / engine, tmp_path / engine, **mutation), engine, facts["target_path"])
+    problems = engine_problems(report)
     assert any(message in p for p in problems), problems

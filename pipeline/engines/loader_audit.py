@@ -1,0 +1,51 @@
+"""Watch an engine's OWN `load_weights` fill its OWN model: what it consumed, dropped, and never wrote.
+
+Imported inside the engine virtualenvs (.venv-sglang, .venv-vllm), so it needs only torch. The method:
+every engine parameter is poisoned with NaN before loading, and every weight loader the engine can call is
+wrapped to record which exported tensor it received. After `load_weights`: a tensor no loader received was
+dropped (silently, if the engine raised nothing), a parameter still all-NaN was never written, a parameter
+partly NaN was written only in part (e.g. q but not k/v of a fused qkv).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class LoaderAudit:
+    def __init__(self, model: torch.nn.Module):
+        self.params = dict(model.named_parameters())
+        self.consumed: set[int] = set()
+        with torch.no_grad():
+            for p in self.params.values():
+                if p.is_floating_point():
+                    p.fill_(float("nan"))
+
+    def recording(self, loader):
+        def wrapped(param, loaded_weight, *args, **kwargs):
+            self.consumed.add(id(loaded_weight))
+            return loader(param, loaded_weight, *args, **kwargs)
+        return wrapped
+
+    def wrap_param_loaders(self, default_loader) -> None:
+        """Each parameter's own `weight_loader`, or the engine's default where it has none."""
+        for p in self.params.values():
+            p.weight_loader = self.recording(getattr(p, "weight_loader", default_loader))
+
+    def report(self, tensors: dict[str, torch.Tensor], not_loaded_by_design: set[str],
+               from_target: set[str], errors: list[str]) -> dict:
+        seen = {k for k, v in tensors.items() if id(v) in self.consumed}
+        floating = {n: p for n, p in self.params.items() if p.is_floating_point() and n not in from_target}
+        unwritten = sorted(n for n, p in floating.items() if bool(torch.isnan(p).all()))
+        partly = sorted(n for n, p in floating.items() if bool(torch.isnan(p).any()) and n not in unwritten)
+        return {"consumed": sorted(seen), "dropped": sorted(set(tensors) - seen - not_loaded_by_design),
+                "unwritten": unwritten, "partly_written": partly, "errors": errors,
+                "parameters": {n: list(p.shape) for n, p in self.params.items()}}
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:  # for the single-process gloo world
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

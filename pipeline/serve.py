@@ -1,0 +1,22 @@
+"""`eaglepipe serve [engine=sglang|vllm] [run_dir=...]`: print the launch command of each export.
+
+The command itself is written at export time (export.serve_command -> export/<engine>/serve.sh), from the
+export's own target path and export.serve; this prints it, so what is printed is what was verified.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pipeline.errors import UserError
+
+
+def run(cfg) -> Path:
+    engines = [cfg.engine] if cfg.engine else list(cfg.export.engines)
+    root = Path(cfg.export_dir).parent if cfg.export_dir else Path(cfg.run_dir) / "export"
+    for engine in engines:
+        script = root / engine / "serve.sh"
+        if not script.is_file():
+            raise UserError(f"no {script}: run stage=export first (export.engines includes {engine}?)")
+        print(f"# {engine}: {root / engine}\n{script.read_text().strip()}")
+    return root
