@@ -181,6 +181,11 @@ class EvalConfig:
     max_new_tokens: int = 32
     max_draft: int = 5  # draft lengths 1..max_draft
     device: str = "auto"  # the target and the draft run in fp32 here, on this device
+    # Online bench instead of the offline one: a running SGLang/vLLM server serving this draft
+    endpoint: Optional[str] = None  # e.g. http://localhost:30000
+    baseline_endpoint: Optional[str] = None  # the same target without speculation, for the speedup
+    endpoint_concurrency: int = 1
+    endpoint_timeout_s: float = 300.0
 
 
 @dataclass

@@ -40,7 +40,7 @@ def fingerprint(cfg) -> str:
 
 
 def is_complete(cfg) -> bool:
-    return (out_dir(cfg) / "acceptance.json").is_file()
+    return (out_dir(cfg) / ("online.json" if cfg.eval.endpoint else "acceptance.json")).is_file()
 
 
 class ExportedDraft:
@@ -129,6 +129,10 @@ def speculate(model, capture: Capture, dr: ExportedDraft, prompt: list[int], max
 
 def run(cfg) -> Path:
     e = cfg.eval
+    if e.endpoint:  # online: the server's own acceptance counters (pipeline/online_bench.py)
+        from pipeline import online_bench
+        store = fs.FeatureStore(Path(cfg.run_dir) / "features")
+        return online_bench.run(cfg, heldout_prompts(cfg, store, e.num_prompts, e.prompt_tokens), out_dir(cfg))
     export = Path(cfg.run_dir) / "export" / "sglang"
     if not (export / "export_manifest.json").is_file():
         raise UserError(f"no SGLang export under {export}; run stage=export first")

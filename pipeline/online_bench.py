@@ -1,0 +1,122 @@
+"""Online bench (`eaglepipe stage=evaluate eval.endpoint=http://host:port`): a RUNNING server's own counters.
+
+Sends the held-out eval prompts (token ids, so no chat template can differ) to an SGLang or vLLM server that
+serves the draft, greedy, and reads the engine's acceptance counters:
+- SGLang (`POST /generate` with input_ids): per request `meta_info.completion_tokens` and
+  `meta_info.spec_verify_ct` (target verify passes); accept length = completion tokens / verify passes
+  (bonus token included), the same definition as offline tau. SGLang is recognised by `GET /get_server_info`.
+- vLLM (`POST /v1/completions` with a token-id prompt): Prometheus counters at `GET /metrics`, read before
+  and after: `vllm:spec_decode_num_drafts`, `..._num_draft_tokens`, `..._num_accepted_tokens` and
+  `..._num_accepted_tokens_per_pos{position=i}`; accept length = 1 + accepted / drafts.
+Reports pooled accept length, output tokens/s, and with `eval.baseline_endpoint` (the same target served
+without speculation) the speedup. Writes run_dir/eval/online.json.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from pipeline.errors import UserError
+
+log = logging.getLogger(__name__)
+VLLM_COUNTERS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
+
+
+def detect_engine(client, url: str) -> str:
+    if client.get(url + "/get_server_info").status_code == 200:
+        return "sglang"
+    if client.get(url + "/metrics").status_code == 200 and "vllm:" in client.get(url + "/metrics").text:
+        return "vllm"
+    raise UserError(f"{url} answers neither SGLang's /get_server_info nor vLLM's /metrics")
+
+
+def vllm_counters(client, url: str) -> dict:
+    """Sum of each spec-decode counter over label sets (one per engine); per-position counters by position."""
+    out: dict = {"per_pos": {}}
+    for line in client.get(url + "/metrics").text.splitlines():
+        m = re.match(r"vllm:spec_decode_(num_\w+?)(?:_total)?(\{[^}]*\})?\s+([0-9.eE+-]+)$", line)
+        if not m:
+            continue
+        name, labels, value = m.group(1), m.group(2) or "", float(m.group(3))
+        if name == "num_accepted_tokens_per_pos":
+            pos = int(re.search(r'position="(\d+)"', labels).group(1))
+            out["per_pos"][pos] = out["per_pos"].get(pos, 0.0) + value
+        elif name in VLLM_COUNTERS:
+            out[name] = out.get(name, 0.0) + value
+    return out
+
+
+def _generate(client, url: str, engine: str, model: str | None, prompt: list[int], max_new: int) -> dict:
+    if engine == "sglang":
+        r = client.post(url + "/generate", json={"input_ids": prompt, "sampling_params": {
+            "max_new_tokens": max_new, "temperature": 0.0}})
+    else:
+        r = client.post(url + "/v1/completions", json={"model": model, "prompt": prompt, "max_tokens": max_new,
+                                                       "temperature": 0.0})
+    if r.status_code != 200:
+        raise UserError(f"{url}: HTTP {r.status_code}: {r.text[:200]}")
+    body = r.json()
+    if engine == "sglang":
+        meta = body.get("meta_info") or {}
+        return {"completion_tokens": int(meta.get("completion_tokens", 0)),
+                "verify_ct": int(meta.get("spec_verify_ct", 0))}
+    return {"completion_tokens": int(body["usage"]["completion_tokens"]), "verify_ct": 0}
+
+
+def bench(url: str, prompts: list[list[int]], max_new: int, concurrency: int, timeout_s: float) -> dict:
+    """Run every prompt through the server at `url`; its throughput and (if it speculates) acceptance."""
+    import httpx
+
+    url = url.rstrip("/")
+    with httpx.Client(timeout=timeout_s) as client:
+        try:
+            engine = detect_engine(client, url)
+        except httpx.HTTPError as e:
+            raise UserError(f"eval endpoint {url}: {type(e).__name__}: {e}; is the server running?") from None
+        model = client.get(url + "/v1/models").json()["data"][0]["id"] if engine == "vllm" else None
+        before = vllm_counters(client, url) if engine == "vllm" else None
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(concurrency) as pool:
+            results = list(pool.map(lambda p: _generate(client, url, engine, model, p, max_new), prompts))
+        wall = time.perf_counter() - t0
+        after = vllm_counters(client, url) if engine == "vllm" else None
+    tokens = sum(r["completion_tokens"] for r in results)
+    report = {"endpoint": url, "engine": engine, "requests": len(results), "completion_tokens": tokens,
+              "wall_s": wall, "tokens_per_s": tokens / wall if wall > 0 else 0.0, "accept_length": None}
+    if engine == "sglang":
+        verify = sum(r["verify_ct"] for r in results)
+        report["verify_passes"] = verify
+        report["accept_length"] = tokens / verify if verify else None  # None: the server does not speculate
+    else:
+        delta = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in VLLM_COUNTERS}
+        drafts = delta["num_drafts"]
+        report.update(drafts=drafts, draft_tokens=delta["num_draft_tokens"], accepted=delta["num_accepted_tokens"])
+        if drafts:
+            report["accept_length"] = 1 + delta["num_accepted_tokens"] / drafts
+            report["accept_per_position"] = [(after["per_pos"].get(i, 0) - before["per_pos"].get(i, 0)) / drafts
+                                             for i in sorted(after["per_pos"])]
+    return report
+
+
+def run(cfg, prompts: list[list[int]], out: Path) -> Path:
+    e = cfg.eval
+    report = {"speculative": bench(e.endpoint, prompts, e.max_new_tokens, e.endpoint_concurrency, e.endpoint_timeout_s)}
+    spec = report["speculative"]
+    if spec["accept_length"] is None:
+        log.warning("online: %s reported no speculative verify passes: is it serving the draft with EAGLE3?", e.endpoint)
+    if e.baseline_endpoint:
+        base = bench(e.baseline_endpoint, prompts, e.max_new_tokens, e.endpoint_concurrency, e.endpoint_timeout_s)
+        report["baseline"] = base
+        report["speedup"] = spec["tokens_per_s"] / base["tokens_per_s"] if base["tokens_per_s"] else None
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "online.json").write_text(json.dumps(report, indent=1))
+    log.info("online (%s at %s): %d requests, %d tokens, %.1f tokens/s, accept length %s%s", spec["engine"],
+             e.endpoint, spec["requests"], spec["completion_tokens"], spec["tokens_per_s"],
+             f"{spec['accept_length']:.3f}" if spec["accept_length"] else "n/a",
+             f", speedup x{report['speedup']:.2f} over {e.baseline_endpoint}" if report.get("speedup") else "")
+    return out

@@ -1,0 +1,130 @@
+"""The online bench client against local HTTP test servers that speak SGLang's and vLLM's protocols.
+
+SGLangLikeTestServer and VLLMLikeTestServer are TEST SERVERS (a true external boundary: no engine can serve
+on this CPU machine). They answer over real HTTP with the fields the engines' sources define: SGLang's
+/generate meta_info (completion_tokens, spec_verify_ct), vLLM's /v1/completions usage and its Prometheus
+spec-decode counters at /metrics. The numbers they return are fixed so the expected report is known.
+"""
+
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from pipeline.errors import UserError
+from pipeline.stages import run_stages
+
+pytestmark = pytest.mark.slow
+
+
+class _Handler(BaseHTTPRequestHandler):
+    def log_message(self, *args):
+        pass
+
+    def _send(self, code, body, ctype="application/json"):
+        data = body if isinstance(body, bytes) else json.dumps(body).encode()
+        self.send_response(code)
+        self.send_header("Content-Type", ctype)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def _json(self):
+        return json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+
+
+class SGLangLikeTestServer(_Handler):
+    """/generate: every request generates max_new_tokens in ceil(n / 2.5) verify passes (accept length 2.5)."""
+
+    def do_GET(self):
+        self._send(200, {"version": "test-server"}) if self.path == "/get_server_info" else self._send(404, {})
+
+    def do_POST(self):
+        body = self._json()
+        assert self.path == "/generate" and isinstance(body["input_ids"], list)
+        n = body["sampling_params"]["max_new_tokens"]
+        self._send(200, {"text": "x", "meta_info": {"completion_tokens": n, "spec_verify_ct": -(-n * 2 // 5)}})
+
+
+def vllm_like(speculates: bool):
+    counters = {"drafts": 100.0, "draft_tokens": 300.0, "accepted": 150.0, "pos": [60.0, 50.0, 40.0]}  # not zero at start
+    lock = threading.Lock()
+
+    class VLLMLikeTestServer(_Handler):
+        """Per request: 4 drafts of 3 tokens, 6 accepted (3/2/1 at positions 0/1/2): accept length 2.5."""
+
+        def do_GET(self):
+            if self.path == "/v1/models":
+                return self._send(200, {"data": [{"id": "the-target"}]})
+            if self.path != "/metrics":
+                return self._send(404, {})
+            c = counters
+            text = ("# HELP vllm:spec_decode_num_drafts_total Number of spec decoding drafts.\n"
+                    f'vllm:spec_decode_num_drafts_total{{engine="0",model_name="m"}} {c["drafts"]}\n'
+                    f'vllm:spec_decode_num_draft_tokens_total{{engine="0",model_name="m"}} {c["draft_tokens"]}\n'
+                    f'vllm:spec_decode_num_accepted_tokens_total{{engine="0",model_name="m"}} {c["accepted"]}\n'
+                    + "".join(f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{engine="0",position="{i}"}} {v}\n'
+                              for i, v in enumerate(c["pos"]))
+                    + "vllm:num_requests_running 0.0\n") if speculates else "vllm:num_requests_running 0.0\n"
+            self._send(200, text.encode(), "text/plain")
+
+        def do_POST(self):
+            body = self._json()
+            assert self.path == "/v1/completions" and body["model"] == "the-target" and body["temperature"] == 0.0
+            with lock:
+                counters["drafts"] += 4
+                counters["draft_tokens"] += 12
+                counters["accepted"] += 6
+                for i, a in enumerate((3, 2, 1)):
+                    counters["pos"][i] += a
+            self._send(200, {"choices": [{"text": "x"}], "usage": {"completion_tokens": body["max_tokens"]}})
+
+    return VLLMLikeTestServer
+
+
+@pytest.fixture
+def serve():
+    servers = []
+
+    def start(handler):
+        server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        servers.append(server)
+        return f"http://127.0.0.1:{server.server_address[1]}"
+
+    yield start
+    for s in servers:
+        s.shutdown()
+
+
+def _online(make_cfg, run_dir, *overrides):
+    run_stages(make_cfg("+experiment=tiny", "data.limit=16", "stage=evaluate", "eval.max_new_tokens=10", *overrides,
+                        run_dir=run_dir))
+    return json.loads((run_dir / "eval" / "online.json").read_text())
+
+
+def test_sglang_endpoint_accept_length_and_speedup_over_a_baseline(exported_run, make_cfg, serve, tmp_path):
+    run_dir, _ = exported_run
+    report = _online(make_cfg, run_dir, f"eval.endpoint={serve(SGLangLikeTestServer)}",
+                     f"eval.baseline_endpoint={serve(vllm_like(speculates=False))}")
+    spec, base = report["speculative"], report["baseline"]
+    assert spec["engine"] == "sglang" and spec["requests"] == 3 and spec["completion_tokens"] == 30
+    assert spec["verify_passes"] == 12 and spec["accept_length"] == pytest.approx(2.5)
+    assert base["engine"] == "vllm" and base["accept_length"] is None and base["drafts"] == 0
+    assert report["speedup"] == pytest.approx(spec["tokens_per_s"] / base["tokens_per_s"])
+
+
+def test_vllm_endpoint_reads_the_counter_deltas(exported_run, make_cfg, serve):
+    run_dir, _ = exported_run
+    spec = _online(make_cfg, run_dir, f"eval.endpoint={serve(vllm_like(speculates=True))}",
+                   "eval.endpoint_concurrency=2")["speculative"]
+    assert spec["engine"] == "vllm" and spec["drafts"] == 12 and spec["accepted"] == 18
+    assert spec["accept_length"] == pytest.approx(2.5)
+    assert spec["accept_per_position"] == pytest.approx([0.75, 0.5, 0.25])
+
+
+def test_unreachable_endpoint_is_one_clear_error(exported_run, make_cfg):
+    run_dir, _ = exported_run
+    with pytest.raises(UserError, match="is the server running"):
+        _online(make_cfg, run_dir, "eval.endpoint=http://127.0.0.1:9")
