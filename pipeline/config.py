@@ -24,6 +24,7 @@ class Stage(str, Enum):
     verify = "verify"  # an export through the engine's own class and loader (export_dir=..., engine=...)
     serve = "serve"  # print the launch command of an export (engine=...)
     doctor = "doctor"  # an export against a server launch line
+    parity = "parity"  # hf vs sglang capture of the same samples (GPU box with sglang)
 
 
 class TargetSource(str, Enum):

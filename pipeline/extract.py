@@ -1,6 +1,9 @@
-"""Stage `extract` (backend hf): run the target over prepared samples, capture aux + last hidden states.
+"""Stage `extract`: run the target over prepared samples, capture aux + last hidden states.
 
-Capture is by forward hooks on the decoder layers: aux id k = output of 0-based decoder layer k (the residual
+Backends: `hf` (transformers, below) and `sglang` (SGLang's own ModelRunner, tensor parallel under torchrun;
+pipeline/engines/sglang_capture.py). Both feed the same shard writer, so the store is the same format.
+
+hf: capture is by forward hooks on the decoder layers: aux id k = output of 0-based decoder layer k (the residual
 stream after it, = HF hidden_states[k+1]); last = the PRE-norm output of the final decoder layer (HF's
 hidden_states[-1] has the final norm applied, which is not what EAGLE-3 trains on). Values are cast to bf16
 on the device and written bit-exact through pipeline.formats.feature_store. Shards are planned from the
@@ -57,9 +60,20 @@ def aux_layer_ids(requested: Optional[list], num_layers: int) -> list[int]:
     return ids
 
 
+def backend(cfg) -> str:
+    return str(getattr(cfg.extract.backend, "value", cfg.extract.backend))
+
+
 def check(cfg) -> None:
-    if str(getattr(cfg.extract.backend, "value", cfg.extract.backend)) != "hf":
-        raise UserError("extract.backend=sglang is not built yet (issue #5); use extract.backend=hf")
+    if backend(cfg) == "sglang":
+        try:
+            import sglang
+        except ImportError:
+            raise UserError("extract.backend=sglang needs sglang==0.5.23 (and a CUDA GPU) in this Python; "
+                            "README, 'SGLang capture backend', has the GPU-box commands") from None
+        if sglang.__version__ != "0.5.23":
+            raise UserError(f"extract.backend=sglang was written against sglang 0.5.23, this Python has "
+                            f"{sglang.__version__}")
     for key in ("batch_tokens", "shard_tokens", "chunk_tokens", "max_batch_size"):
         if cfg.extract[key] < 1:
             raise UserError(f"extract.{key}={cfg.extract[key]}: must be >= 1")
@@ -152,7 +166,7 @@ def store_facts(cfg, folder: Path, model_cfg, tok, stats: dict, aux: list[int], 
                 num_samples: int) -> dict:
     """What produced the store: recorded in the manifest and every shard; later stages read these."""
     return {
-        "produced_by": f"eaglepipe {__version__}", "backend": "hf", "target_name": cfg.target.name,
+        "produced_by": f"eaglepipe {__version__}", "backend": backend(cfg), "target_name": cfg.target.name,
         "target_path": str(folder), "target_fingerprint": targets.fingerprint(folder),
         "num_layers": model_cfg.num_hidden_layers, "hidden_size": model_cfg.hidden_size,
         "vocab_size": model_cfg.vocab_size, "aux_layer_ids": aux, "layer_id_convention": CONVENTION,
@@ -179,7 +193,7 @@ def run(cfg) -> Path:
     lengths = np.array([len(x) for x in ds["input_ids"]], dtype=np.int64)
     facts = store_facts(cfg, folder, model_cfg, tok, stats, aux, dtype, len(lengths))
     try:
-        manifest = fs.open_for_writing(out_dir(cfg), facts, overwrite=ex.overwrite)
+        manifest = _open_store(cfg, facts)
     except fs.StoreError as e:
         raise UserError(f"{e}; use a new run_dir or pass extract.overwrite=true to replace it") from None
     shards = plan_shards(lengths, ex.shard_tokens)
@@ -187,7 +201,14 @@ def run(cfg) -> Path:
     todo = [s for s in shards if s.sample_start not in done]
     log.info("extract: %d samples, %d tokens, %d shards (%d already committed), aux layers %s, %s on %s",
              len(lengths), lengths.sum(), len(shards), len(shards) - len(todo), aux, facts["compute_dtype"], device)
-    if todo:
+    if todo and backend(cfg) == "sglang":
+        capture, rank = _sglang_capture(folder, aux, model_cfg)
+        _extract_shards(cfg, ds, todo, capture, facts, manifest, "cuda", model_cfg.hidden_size, len(aux),
+                        write=rank == 0)
+        capture.remove()
+        if rank != 0:
+            return out_dir(cfg)  # tensor-parallel ranks compute; rank 0 writes the store
+    elif todo:
         model = targets.load_model(folder, cfg.target, device, dtype, ex.attn_implementation)
         capture = Capture(model, aux)
         _extract_shards(cfg, ds, todo, capture, facts, manifest, device, model_cfg.hidden_size, len(aux))
@@ -197,7 +218,38 @@ def run(cfg) -> Path:
     return out_dir(cfg)
 
 
-def _extract_shards(cfg, ds, todo, capture, facts, manifest, device, hidden: int, n_aux: int) -> None:
+def _open_store(cfg, facts: dict) -> dict:
+    """Rank 0 opens (or resumes) the store; other tensor-parallel ranks wait for its manifest and read it."""
+    import os
+
+    if int(os.environ.get("RANK", 0)) == 0 or backend(cfg) != "sglang":
+        return fs.open_for_writing(out_dir(cfg), facts, overwrite=cfg.extract.overwrite)
+    for _ in range(600):
+        manifest = fs.read_manifest(out_dir(cfg)) if (out_dir(cfg) / "manifest.json").exists() else None
+        if manifest and manifest.get("facts") == facts:
+            return manifest
+        time.sleep(1)
+    raise UserError("rank 0 did not open the feature store within 600 s")
+
+
+def _sglang_capture(folder: Path, aux: list[int], model_cfg):
+    """SGLang's ModelRunner on this rank (torchrun: one process per tensor-parallel rank; pipeline/engines/
+    sglang_capture.py). Returns (capture, rank)."""
+    import os
+
+    from pipeline.engines import sglang_capture as sc
+
+    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    try:
+        sc.target_class(model_cfg.architectures[0])
+    except sc.CaptureUnsupported as e:
+        raise UserError(str(e)) from None
+    runner = sc.build_runner(str(folder), rank, world, int(os.environ.get("EAGLEPIPE_NCCL_PORT", 29517)))
+    return sc.SGLangCapture(runner, aux), rank
+
+
+def _extract_shards(cfg, ds, todo, capture, facts, manifest, device, hidden: int, n_aux: int,
+                    write: bool = True) -> None:
     ex = cfg.extract
     t0, tokens_done = time.time(), 0
     bar = tqdm(total=int(sum(sum(s.lengths) for s in todo)), desc="extract", unit="tok", mininterval=1.0)
@@ -211,6 +263,8 @@ def _extract_shards(cfg, ds, todo, capture, facts, manifest, device, hidden: int
             for batch in plan_batches(spec.lengths, ex.batch_tokens, ex.max_batch_size):
                 input_ids, attn = pad_batch([ids_all[i] for i in batch])
                 aux_h, last_h = capture(input_ids.to(device), attn.to(device))
+                if not write:
+                    continue
                 aux_h, last_h = aux_h.cpu(), last_h.cpu()
                 for r, i in enumerate(batch):  # a copy into the shard's host buffer
                     n = spec.lengths[i]
@@ -218,7 +272,8 @@ def _extract_shards(cfg, ds, todo, capture, facts, manifest, device, hidden: int
                 bar.update(int(sum(spec.lengths[i] for i in batch)))
             if commit is not None:
                 commit.result()  # at most one shard compressing while the next one computes
-            commit = writer_pool.submit(writer.commit, manifest)
+            if write:
+                commit = writer_pool.submit(writer.commit, manifest)
             tokens_done += sum(spec.lengths)
             bar.set_postfix(shard=spec.index, tok_s=f"{tokens_done / (time.time() - t0):.0f}")
         if commit is not None:

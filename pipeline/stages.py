@@ -21,7 +21,7 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 ORDER = ["prepare", "extract", "vocab", "train", "export", "evaluate"]
-TOOLS = ["verify", "serve", "doctor"]  # read an export; no fingerprints, never part of `all`
+TOOLS = ["verify", "serve", "doctor", "parity"]  # read an export; no fingerprints, never part of `all`
 
 
 def digest(obj) -> str:

@@ -1,0 +1,202 @@
+"""`extract.backend=sglang`: the target's hidden states captured inside SGLang's own ModelRunner.
+
+Runs in a Python that has sglang==0.5.23 (a GPU box; CI's .venv-sglang for the contract tests). The feature
+store, sharding, resume and sample order are extract.py's; this module only turns a padded batch of token
+ids into (aux, last) tensors, like extract.Capture does for HF:
+- aux: SGLang's own capture. `set_eagle3_layers_to_capture(ids)` (sglang/srt/models/llama.py) sets
+  `model.layers_to_capture = [k + 1 for k in ids]`, i.e. the residual stream entering layer k+1 = the output
+  of layer k: SGLang id k = eaglepipe id k (docs/conventions.md). With `CaptureHiddenMode.FULL` the logits
+  output's `hidden_states` is the concatenation of those states for every token.
+- last: SGLang does not return it under aux capture (its logits processor hands back the aux concatenation
+  instead of the final state), and `return_hidden_states_before_norm` is ignored by llama. So a forward hook
+  on the final norm keeps its updated residual: SGLang calls `norm(hidden, residual)`, which returns
+  (normed, hidden + residual) (layers/layer_boundary/residual/access.py::final_norm_pair); the second is
+  the pre-norm output of the last decoder layer, the state EAGLE-3 trains on.
+Route chosen (docs/conventions.md, "SGLang capture"): ModelRunner in-process, not `sglang.Engine` with
+`--enable-return-aux-hidden-states`: the Engine route converts every captured state to Python lists on
+the scheduler (managers/scheduler_components/batch_result_processor.py::_append_prefill_hidden_states,
+`.cpu().clone().tolist()`: 21,504 floats a token for Kimi-K2.5) and returns no last state at all. The
+ModelRunner route depends on more SGLang-internal API (ModelRunner, Req, ScheduleBatch, ForwardBatch); all of
+it is in `forward_capture`, the one function that needs a GPU, and the rest is contract-tested on CPU.
+"""
+
+from __future__ import annotations
+
+import ast
+from array import array
+from pathlib import Path
+
+import torch
+
+SGLANG_VERSION = "0.5.23"
+
+
+class CaptureUnsupported(Exception):
+    pass
+
+
+def sglang_layer_ids(ours: list[int]) -> list[int]:
+    """Ids for set_eagle3_layers_to_capture: SGLang id k captures the output of decoder layer k, like ours."""
+    return list(ours)
+
+
+def capturing_classes() -> list[str]:
+    """SGLang model classes that define set_eagle3_layers_to_capture, read from the installed source."""
+    import importlib.util
+
+    folder = Path(list(importlib.util.find_spec("sglang.srt.models").submodule_search_locations)[0])
+    found = set()
+    for path in sorted(folder.glob("*.py")):
+        tree = ast.parse(path.read_text())
+        for node in tree.body:
+            if isinstance(node, ast.ClassDef) and any(
+                    isinstance(f, ast.FunctionDef) and f.name == "set_eagle3_layers_to_capture" for f in node.body):
+                found.add(node.name)
+    return sorted(found)
+
+
+def target_class(architecture: str):
+    """SGLang's class for a target architecture; CaptureUnsupported (naming those that can) if it cannot capture."""
+    from sglang.srt.models.registry import ModelRegistry
+
+    cls, _ = ModelRegistry.resolve_model_cls([architecture])
+    if not hasattr(cls, "set_eagle3_layers_to_capture"):
+        raise CaptureUnsupported(
+            f"SGLang {SGLANG_VERSION}'s {cls.__name__} (architecture {architecture}) has no "
+            f"set_eagle3_layers_to_capture, so it cannot capture aux hidden states; classes that define it: "
+            f"{', '.join(capturing_classes())}. Use extract.backend=hf for this target.")
+    return cls
+
+
+def server_args(target_dir: str, tp_size: int = 1, device: str = "cuda", mem_fraction_static: float = 0.8):
+    """ServerArgs for a capture-only target: no radix cache (every sample is a fresh extend), no CUDA graphs
+    (extend batches of varying shape), no tokenizer (we send token ids)."""
+    from sglang.srt.server_args import ServerArgs
+
+    return ServerArgs(model_path=target_dir, tp_size=tp_size, device=device, dtype="bfloat16",
+                      skip_tokenizer_init=True, disable_radix_cache=True, disable_cuda_graph=True,
+                      mem_fraction_static=mem_fraction_static)
+
+
+def make_reqs(samples: list[list[int]], first_rid: int = 0) -> list:
+    """One SGLang Req per sample: prefill only (max_new_tokens=0), hidden states of every position kept."""
+    from sglang.srt.managers.schedule_batch import Req
+    from sglang.srt.sampling.sampling_params import SamplingParams
+
+    reqs = []
+    for j, ids in enumerate(samples):
+        params = SamplingParams(max_new_tokens=0, temperature=0.0)
+        reqs.append(Req(rid=f"eaglepipe-{first_rid + j}", origin_input_text="", origin_input_ids=array("i", ids),
+                        sampling_params=params, return_hidden_states=True))
+    return reqs
+
+
+class LastStateHook:
+    """Keeps the pre-norm output of the last decoder layer: the residual the final norm returns updated."""
+
+    def __init__(self, norm: torch.nn.Module):
+        self.last = None
+        self.handle = norm.register_forward_hook(self._hook)
+
+    def _hook(self, module, args, output):
+        # norm(hidden, residual) -> (normed, hidden + residual); norm(hidden) -> normed (input is the state)
+        pre = output[1] if isinstance(output, tuple) and len(output) > 1 and output[1] is not None else args[0]
+        self.last = pre.detach().clone()  # SGLang's residual buffer is reused by the next forward
+
+    def remove(self):
+        self.handle.remove()
+
+
+def unpad(aux_flat: torch.Tensor, last_flat: torch.Tensor, lengths: list[int]):
+    """SGLang packs a batch token after token; extract.py writes padded [B, T, .] like HF's capture."""
+    if sum(lengths) != aux_flat.shape[0] or sum(lengths) != last_flat.shape[0]:
+        raise RuntimeError(f"SGLang returned {aux_flat.shape[0]}/{last_flat.shape[0]} token states for "
+                           f"{sum(lengths)} tokens")
+    B, T = len(lengths), max(lengths)
+    aux = aux_flat.new_zeros(B, T, aux_flat.shape[-1])
+    last = last_flat.new_zeros(B, T, last_flat.shape[-1])
+    start = 0
+    for b, n in enumerate(lengths):
+        aux[b, :n], last[b, :n] = aux_flat[start:start + n], last_flat[start:start + n]
+        start += n
+    return aux, last
+
+
+class SGLangCapture:
+    """extract.Capture's interface over SGLang: (input_ids [B,T], attention_mask) -> (aux, last) in bf16."""
+
+    def __init__(self, runner, aux_ids: list[int]):
+        self.runner, self.aux_ids = runner, aux_ids
+        model = runner.model
+        model.set_eagle3_layers_to_capture(sglang_layer_ids(aux_ids))
+        self.hook = LastStateHook(model.model.norm)
+        self.next_rid = 0
+
+    def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor):
+        lengths = attention_mask.sum(1).tolist()
+        samples = [row[:n].tolist() for row, n in zip(input_ids, lengths)]
+        reqs = make_reqs(samples, self.next_rid)
+        self.next_rid += len(reqs)
+        aux, last = forward_capture(self.runner, reqs, self.hook)
+        return unpad(aux.to(torch.bfloat16), last.to(torch.bfloat16), lengths)
+
+    def remove(self):
+        self.hook.remove()
+
+
+def build_runner(target_dir: str, tp_rank: int, tp_size: int, nccl_port: int, mem_fraction_static: float = 0.8):
+    """SGLang's ModelRunner for the target on this rank's GPU (a torchrun rank = a TP rank). GPU only."""
+    from sglang.srt import runtime_context as rc
+    from sglang.srt.configs.model_config import ModelConfig
+    from sglang.srt.model_executor.model_runner import ModelRunner
+
+    args = server_args(target_dir, tp_size, "cuda", mem_fraction_static)
+    rc.publish(args, role="scheduler", ranks=rc.SpawnRanks(world_rank=tp_rank, gpu_id=tp_rank))
+    config = ModelConfig.from_server_args(args)
+    target_class(config.hf_config.architectures[0])
+    return ModelRunner(model_config=config, mem_fraction_static=mem_fraction_static, gpu_id=tp_rank,
+                       nccl_port=nccl_port, server_args=args)
+
+
+def forward_capture(runner, reqs: list, hook: LastStateHook):
+    """THE GPU-only part: one extend forward with FULL capture; KV pools cleared after. (aux, last) flat."""
+    from sglang.srt.managers.schedule_batch import ScheduleBatch
+    from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardBatch
+    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+
+    batch = ScheduleBatch.init_new(reqs, runner.req_to_token_pool, runner.token_to_kv_pool_allocator,
+                                   tree_cache=None, model_config=runner.model_config, enable_overlap=False,
+                                   spec_algorithm=SpeculativeAlgorithm.from_string("NONE"))
+    try:
+        batch.prepare_for_extend()
+        forward_batch = ForwardBatch.init_new(batch, runner, capture_hidden_mode=CaptureHiddenMode.FULL,
+                                              return_hidden_states_before_norm=False)
+        out = runner.forward(forward_batch)
+        aux = out.logits_output.hidden_states
+        if aux is None or hook.last is None:
+            raise RuntimeError("SGLang returned no captured hidden states: aux capture is not enabled on the target")
+        return aux, hook.last
+    finally:
+        runner.req_to_token_pool.clear()
+        runner.token_to_kv_pool_allocator.clear()
+
+
+def build_target_on_meta(target_dir: str):
+    """The target's SGLang class built on the meta device in a single-process gloo world (contract tests and
+    `eaglepipe verify`-style checks on CPU; no weights, no kernels)."""
+    from sglang.srt import runtime_context as rc
+    from sglang.srt.configs.model_config import ModelConfig
+    from sglang.srt.distributed import parallel_state as ps
+
+    from pipeline.engines.loader_audit import free_port
+
+    args = server_args(target_dir, 1, "cpu")
+    rc.publish(args, role="scheduler", ranks=rc.SpawnRanks(world_rank=0))
+    if not ps.model_parallel_is_initialized():
+        ps.init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
+                                        distributed_init_method=f"tcp://127.0.0.1:{free_port()}")
+        ps.initialize_model_parallel()
+    config = ModelConfig.from_server_args(args)
+    cls = target_class(config.hf_config.architectures[0])
+    with torch.device("meta"):
+        return cls(config=config.hf_config, quant_config=None)

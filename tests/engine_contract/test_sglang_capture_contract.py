@@ -1,0 +1,97 @@
+"""Contract tests of extract.backend=sglang against SGLang 0.5.23's REAL classes, on CPU.
+
+They run inside .venv-sglang (tests/integration/test_sglang_capture.py launches them there with
+`--noconftest`; in the main venv, without sglang, this module is skipped). No fake SGLang object: the
+target class, its layer-capture method, RMSNorm, Req and the registry are SGLang's own. What needs a GPU
+(SGLang's ModelRunner forward) is only `sglang_capture.forward_capture`; README shows the GPU command.
+"""
+
+import os
+
+import pytest
+
+sglang = pytest.importorskip("sglang")
+
+import torch  # noqa: E402
+
+from pipeline.engines import shims  # noqa: E402
+
+shims.install()
+from pipeline.engines import sglang_capture as sc  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def target_dir():
+    path = os.environ.get("EAGLEPIPE_CONTRACT_TARGET")
+    assert path, "set EAGLEPIPE_CONTRACT_TARGET to a built HF target folder (the tiny Llama)"
+    return path
+
+
+@pytest.fixture(scope="module")
+def target(target_dir):
+    return sc.build_target_on_meta(target_dir)
+
+
+def test_the_installed_sglang_is_the_version_the_conventions_were_read_from():
+    assert sglang.__version__ == sc.SGLANG_VERSION
+
+
+def test_our_aux_ids_make_sglang_capture_the_outputs_of_the_same_layers(target):
+    assert type(target).__name__ == "LlamaForCausalLM" and len(target.model.layers) == 8
+    target.set_eagle3_layers_to_capture(sc.sglang_layer_ids([1, 3, 4]))
+    # SGLang captures the residual stream ENTERING layer k+1 = the output of layer k = our id k
+    assert target.model.layers_to_capture == [2, 4, 5] and target.capture_aux_hidden_states is True
+
+
+def test_without_ids_sglang_would_capture_its_default_layers(target):
+    target.set_eagle3_layers_to_capture(None)
+    L = len(target.model.layers)
+    assert target.model.layers_to_capture == [2, L // 2, L - 3]  # = our default [1, L//2-1, L-4], entering +1
+
+
+def test_the_last_state_hook_keeps_the_pre_norm_residual_of_sglangs_own_final_norm(target):
+    from sglang.srt.layers.layernorm import RMSNorm
+    assert isinstance(target.model.norm, RMSNorm)
+    norm = RMSNorm(16, eps=1e-6)
+    hook = sc.LastStateHook(norm)
+    hidden, residual = torch.randn(5, 16), torch.randn(5, 16)
+    normed, _ = norm(hidden, residual)  # SGLang's fused add + norm
+    assert torch.equal(hook.last, hidden + residual) and not torch.allclose(normed, hook.last)
+    norm(torch.ones(2, 16))  # no residual: the input itself
+    assert torch.equal(hook.last, torch.ones(2, 16))
+
+
+def test_classes_that_capture_are_read_from_sglangs_source():
+    names = sc.capturing_classes()
+    for cls in ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "DeepseekV2ForCausalLM",
+                "KimiK25ForConditionalGeneration"):
+        assert cls in names
+    assert "GPT2LMHeadModel" not in names
+
+
+def test_a_target_class_without_capture_fails_early_naming_those_that_have_it():
+    with pytest.raises(sc.CaptureUnsupported, match="GPT2LMHeadModel.*no set_eagle3_layers_to_capture.*LlamaForCausalLM"):
+        sc.target_class("GPT2LMHeadModel")
+    assert sc.target_class("DeepseekV3ForCausalLM")  # inherits the method from DeepseekV2ForCausalLM
+
+
+def test_requests_are_prefill_only_with_hidden_states(target_dir):
+    from sglang.srt.managers.schedule_batch import Req
+    reqs = sc.make_reqs([[5, 6, 7], [8, 9]], first_rid=10)
+    assert all(isinstance(r, Req) for r in reqs) and [r.rid for r in reqs] == ["eaglepipe-10", "eaglepipe-11"]
+    assert list(reqs[0].origin_input_ids) == [5, 6, 7] and reqs[1].sampling_params.max_new_tokens == 0
+    assert reqs[0].return_hidden_states
+
+
+def test_server_args_for_capture(target_dir):
+    args = sc.server_args(target_dir, tp_size=1, device="cpu")
+    assert args.disable_radix_cache and args.disable_cuda_graph and args.skip_tokenizer_init
+
+
+def test_unpad_restores_sample_order_and_lengths():
+    aux_flat, last_flat = torch.arange(10.).repeat(6, 1).T.contiguous(), torch.arange(10.)[:, None]
+    aux, last = sc.unpad(aux_flat, last_flat, [3, 7])
+    assert aux.shape == (2, 7, 6) and last[0, :3, 0].tolist() == [0, 1, 2] and last[1, :, 0].tolist() == list(range(3, 10))
+    assert last[0, 3:].abs().sum() == 0
+    with pytest.raises(RuntimeError, match="11 tokens"):
+        sc.unpad(aux_flat, last_flat, [4, 7])
