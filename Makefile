@@ -14,7 +14,7 @@ demo: setup setup-engines
 
 # everything except hardware-bound markers; pytest exit 5 ("no tests ran") is not a failure
 test: setup setup-engines
-	.venv/bin/python -m pytest -m "not gpu" -q; rc=$$?; [ $$rc -eq 5 ] && exit 0; exit $$rc
+	.venv/bin/python -m pytest -m "not gpu and not requires_sglang_gpu" -q; rc=$$?; [ $$rc -eq 5 ] && exit 0; exit $$rc
 
 test-fast: setup
-	.venv/bin/python -m pytest -m "not slow and not gpu" -q
+	.venv/bin/python -m pytest -m "not slow and not gpu and not requires_sglang_gpu" -q

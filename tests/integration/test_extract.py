@@ -1,7 +1,6 @@
 """Captured features equal an independent reference, bit for bit; kill/resume; store guards."""
 
 import json
-import os
 import signal
 import subprocess
 import sys

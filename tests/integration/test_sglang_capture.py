@@ -3,7 +3,6 @@ parts that run in the main venv (fail-early message, parity arithmetic on real s
 
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
