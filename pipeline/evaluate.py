@@ -168,6 +168,11 @@ def run(cfg) -> Path:
             log.info("eval %s draft k=%d: tau %.3f, acceptance per position %s, greedy mismatches %d", name, k,
                      report[name][str(k)]["tau"], [round(x, 3) for x in accept], mismatches)
     capture.remove()
+    ks = report["draft_lengths"]
+    lines = ["tau (tokens per target forward)  " + "".join(f"{'k=' + str(k):>8}" for k in ks)]
+    for name, label in (("trained", "trained draft"), ("untrained", "untrained draft (floor)")):
+        lines.append(f"{label:<33}" + "".join(f"{report[name][str(k)]['tau']:>8.3f}" for k in ks))
+    log.info("evaluate, %d held-out prompts x %d new tokens:\n%s", len(prompts), e.max_new_tokens, "\n".join(lines))
     out = out_dir(cfg)
     out.mkdir(parents=True, exist_ok=True)
     (out / "acceptance.json").write_text(json.dumps(report, indent=1))
