@@ -86,8 +86,10 @@ def make_reqs(samples: list[list[int]], first_rid: int = 0) -> list:
     reqs = []
     for j, ids in enumerate(samples):
         params = SamplingParams(max_new_tokens=0, temperature=0.0)
-        reqs.append(Req(rid=f"eaglepipe-{first_rid + j}", origin_input_text="", origin_input_ids=array("i", ids),
-                        sampling_params=params, return_hidden_states=True))
+        req = Req(rid=f"eaglepipe-{first_rid + j}", origin_input_text="", origin_input_ids=array("q", ids),
+                  sampling_params=params, return_hidden_states=True)
+        req.init_next_round_input(None)  # no prefix cache: the whole sample is this extend's input
+        reqs.append(req)
     return reqs
 
 

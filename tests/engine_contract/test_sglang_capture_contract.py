@@ -81,6 +81,7 @@ def test_requests_are_prefill_only_with_hidden_states(target_dir):
     assert all(isinstance(r, Req) for r in reqs) and [r.rid for r in reqs] == ["eaglepipe-10", "eaglepipe-11"]
     assert list(reqs[0].origin_input_ids) == [5, 6, 7] and reqs[1].sampling_params.max_new_tokens == 0
     assert reqs[0].return_hidden_states
+    assert list(reqs[0].get_fill_ids()) == [5, 6, 7] and reqs[0].prefix_len == 0  # ready for prepare_for_extend
 
 
 def test_server_args_for_capture(target_dir):
