@@ -55,22 +55,5 @@ def exported_run(make_cfg, tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def mutate():
+    from mutations import mutated_copy
     return mutated_copy
-
-
-def mutated_copy(src: Path, dst: Path, tensors=None, config=None) -> Path:
-    """A copy of export folder `src` at `dst` with its tensors and/or config.json edited in place."""
-    import json
-    import shutil
-
-    from safetensors.torch import load_file, save_file
-
-    shutil.copytree(src, dst)
-    if tensors:
-        t = load_file(str(dst / "model.safetensors"))
-        save_file(tensors(t), str(dst / "model.safetensors"))
-    if config:
-        c = json.loads((dst / "config.json").read_text())
-        config(c)
-        (dst / "config.json").write_text(json.dumps(c))
-    return dst

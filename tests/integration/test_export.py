@@ -4,9 +4,9 @@ import json
 import re
 
 import pytest
-import torch
 from safetensors.torch import load_file
 
+from mutations import absolute_d2t, nan_norm, prefix_keys, single_layer_fc, zero_fc
 from pipeline.verify import check_export, engine_problems, engine_report
 
 pytestmark = pytest.mark.slow
@@ -32,43 +32,18 @@ def test_exports_pass_their_checks_with_engine_numbering_and_layout(exported):
         assert "EAGLE3" in (run_dir / "export" / engine / "serve.sh").read_text().upper()
 
 
-def _rename_all(t, prefix):
-    return {(prefix + k if k not in ("d2t", "t2d") else k): v for k, v in t.items()}
-
-
-def _absolute_d2t(t):
-    t["d2t"] = t["d2t"] + torch.arange(len(t["d2t"]))
-    return t
-
-
-def _zero_fc(t):
-    t["fc.weight"] = torch.zeros_like(t["fc.weight"])
-    return t
-
-
-def _single_layer_fc(t):
-    t["fc.weight"] = t["fc.weight"][:, : t["fc.weight"].shape[0]].contiguous()
-    return t
-
-
-def _nan(t):
-    t["norm.weight"] = t["norm.weight"].clone()
-    t["norm.weight"][0] = float("nan")
-    return t
-
-
 MUTATIONS = [
-    ("sglang", dict(tensors=lambda t: _rename_all(t, "draft_model.")), "silently drop"),
+    ("sglang", dict(tensors=lambda t: prefix_keys(t, "draft_model.")), "silently drop"),
     ("sglang", dict(config=lambda c: c["eagle_config"].pop("eagle_aux_hidden_state_layer_ids")), "aux layer ids missing"),
     ("sglang", dict(config=lambda c: c["eagle_config"].update(eagle_aux_hidden_state_layer_ids=[2, 4, 5])), r"aux layer ids \[2, 4, 5\] != \[1, 3, 4\]"),
     ("vllm", dict(config=lambda c: c.update(eagle_aux_hidden_state_layer_ids=[1, 3, 4])), r"aux layer ids \[1, 3, 4\] != \[2, 4, 5\]"),
-    ("sglang", dict(tensors=_absolute_d2t), r"absolute target ids|i \+ d2t\[i\] leaves"),
-    ("vllm", dict(tensors=_absolute_d2t), r"absolute target ids|i \+ d2t\[i\] leaves"),
-    ("sglang", dict(tensors=_zero_fc), "fc.weight is constant"),
-    ("sglang", dict(tensors=_single_layer_fc), "fc.weight takes 64 inputs, expected n_aux x hidden = 3 x 64"),
+    ("sglang", dict(tensors=absolute_d2t), r"absolute target ids|i \+ d2t\[i\] leaves"),
+    ("vllm", dict(tensors=absolute_d2t), r"absolute target ids|i \+ d2t\[i\] leaves"),
+    ("sglang", dict(tensors=zero_fc), "fc.weight is constant"),
+    ("sglang", dict(tensors=single_layer_fc), "fc.weight takes 64 inputs, expected n_aux x hidden = 3 x 64"),
     ("sglang", dict(config=lambda c: c.pop("draft_vocab_size")), "draft_vocab_size missing"),
-    ("sglang", dict(tensors=_nan), "non-finite"),
-    ("vllm", dict(tensors=lambda t: _rename_all(t, "draft_model.")), "raises on unknown names"),
+    ("sglang", dict(tensors=nan_norm), "non-finite"),
+    ("vllm", dict(tensors=lambda t: prefix_keys(t, "draft_model.")), "raises on unknown names"),
 ]
 
 
@@ -96,10 +71,10 @@ def test_engine_own_class_loads_the_export_completely(exported, engine):
 
 
 @pytest.mark.parametrize("engine,mutation,message", [
-    ("sglang", dict(tensors=lambda t: _rename_all(t, "draft_model.")), "silently dropped 13 tensors"),
-    ("sglang", dict(tensors=_single_layer_fc), "raised while loading"),
-    ("vllm", dict(tensors=lambda t: _rename_all(t, "draft_model.")), "raised while loading"),
-    ("vllm", dict(tensors=_absolute_d2t), "draft->target ids"),
+    ("sglang", dict(tensors=lambda t: prefix_keys(t, "draft_model.")), "silently dropped 13 tensors"),
+    ("sglang", dict(tensors=single_layer_fc), "raised while loading"),
+    ("vllm", dict(tensors=lambda t: prefix_keys(t, "draft_model.")), "raised while loading"),
+    ("vllm", dict(tensors=absolute_d2t), "draft->target ids"),
 ], ids=["sglang-draft_model-prefix", "sglang-single-layer-fc", "vllm-draft_model-prefix", "vllm-absolute-d2t"])
 def test_engine_own_class_catches_injected_failures(exported, mutate, tmp_path, engine, mutation, message):
     run_dir, facts = exported

@@ -8,36 +8,13 @@ single-layer width (the draft fed one 576-dim state, not 3 concatenated). verify
 plus the engine's OWN class, loader and config resolution (pipeline/verify.py); doctor = pipeline/doctor.py.
 """
 
-import torch
 import pytest
 
+from mutations import absolute_d2t, pre_rename_keys, prefix_keys, single_layer_fc, zero_fc
 from pipeline.doctor import diagnose
 from pipeline.verify import check_export, engine_problems, engine_report
 
 pytestmark = pytest.mark.slow
-
-
-def _prefix(t, p):
-    return {(p + k if k not in ("d2t", "t2d") else k): v for k, v in t.items()}
-
-
-def _pre_rename(t):
-    return {("layers.0." + k[len("midlayer."):] if k.startswith("midlayer.") else k): v for k, v in t.items()}
-
-
-def _absolute_d2t(t):
-    t["d2t"] = t["d2t"] + torch.arange(len(t["d2t"]))
-    return t
-
-
-def _zero_fc(t):
-    t["fc.weight"] = torch.zeros_like(t["fc.weight"])
-    return t
-
-
-def _single_layer_fc(t):
-    t["fc.weight"] = t["fc.weight"][:, : t["fc.weight"].shape[0]].contiguous()
-    return t
 
 
 def _no_aux_ids(c):
@@ -62,14 +39,14 @@ def caught(folder, facts, launch=None, algorithm="EAGLE3"):
 
 def test_1a_draft_model_prefix_is_dropped_silently_by_sglang_and_caught(good, mutate, tmp_path):
     folder, facts = good
-    found = caught(mutate(folder, tmp_path / "sglang", tensors=lambda t: _prefix(t, "draft_model.")), facts)
+    found = caught(mutate(folder, tmp_path / "sglang", tensors=lambda t: prefix_keys(t, "draft_model.")), facts)
     assert any("LlamaForCausalLMEagle3 (sglang 0.5.23) silently dropped 13 tensors" in f for f in found), found
     assert any("would silently drop" in f for f in found), found
 
 
 def test_1b_layers0_for_an_sglang_before_the_rename_is_caught(good, mutate, tmp_path):
     folder, facts = good
-    bad = mutate(folder, tmp_path / "sglang", tensors=_pre_rename)
+    bad = mutate(folder, tmp_path / "sglang", tensors=pre_rename_keys)
     assert any("SGLang before the model.layers.0 rename" in f for f in check_export(bad, "sglang", facts))
     # and doctor: the vLLM layout (layers.0.*) handed to an SGLang launch line
     line = (folder / "serve.sh").read_text().replace("export/sglang", "export/vllm")
@@ -93,20 +70,20 @@ def test_3_eagle_instead_of_eagle3_is_caught_by_doctor_and_by_sglang_own_resolut
 
 def test_4_absolute_d2t_is_caught(good, mutate, tmp_path):
     folder, facts = good
-    found = caught(mutate(folder, tmp_path / "sglang", tensors=_absolute_d2t), facts)
+    found = caught(mutate(folder, tmp_path / "sglang", tensors=absolute_d2t), facts)
     assert any(f.startswith("vocab:") and "absolute" in f for f in found), found
     assert any("draft->target ids (arange + d2t) are not the t2d ids" in f for f in found), found
 
 
 def test_5_zeroed_fc_is_caught_by_std_and_norm_not_by_mean(good, mutate, tmp_path):
     folder, facts = good
-    found = caught(mutate(folder, tmp_path / "sglang", tensors=_zero_fc), facts)
+    found = caught(mutate(folder, tmp_path / "sglang", tensors=zero_fc), facts)
     assert any("fc.weight is constant (std 0, norm 0)" in f for f in found), found
 
 
 def test_6_single_layer_width_fc_is_caught(good, mutate, tmp_path):
     folder, facts = good
-    found = caught(mutate(folder, tmp_path / "sglang", tensors=_single_layer_fc), facts)
+    found = caught(mutate(folder, tmp_path / "sglang", tensors=single_layer_fc), facts)
     assert any("fc.weight takes 64 inputs, expected n_aux x hidden = 3 x 64" in f for f in found), found
     assert any("raised while loading" in f for f in found), found
 
