@@ -108,7 +108,6 @@ def speculate(model, capture: Capture, dr: ExportedDraft, prompt: list[int], max
             h = dr.layer(torch.tensor(tok, device=dev), hid, pos)[-1]
             props.append(dr.next_target_id(h))
             tok, hid = tok + [props[-1]], torch.cat([hid, h[None]])
-        seq_len = past.get_seq_length()
         out = model(input_ids=torch.tensor([[nxt] + props], device=dev), past_key_values=past, use_cache=True)
         verify = out.logits[0].argmax(-1).tolist()
         a = 0
@@ -116,7 +115,8 @@ def speculate(model, capture: Capture, dr: ExportedDraft, prompt: list[int], max
             a += 1
         new = props[:a] + [verify[a]]
         aux = torch.cat([capture.seen[i] for i in capture.aux_ids], -1)[0, : a + 1]
-        past.crop(seq_len + a + 1)  # keep nxt and the accepted proposals
+        if a < k:
+            past.crop(-(k - a))  # keep nxt and the accepted proposals: drop the k - a rejected ones
         ctx_tok, ctx_hid = ctx_tok + new, torch.cat([ctx_hid, dr.fuse(aux)])
         rounds.append(a)
         for t in new:
