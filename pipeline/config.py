@@ -208,6 +208,7 @@ class Config:
     export_dir: Optional[str] = None  # an export folder; null = run_dir/export/<engine>
     engine: Optional[str] = None  # sglang | vllm; null = the export's own (verify) or every exported engine
     launch: Optional[str] = None  # doctor: the server launch line
+    server: Optional[str] = None  # doctor: a running SGLang server's URL (read from its /server_info)
 
 
 def register() -> None:

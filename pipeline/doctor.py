@@ -1,4 +1,5 @@
-"""`eaglepipe stage=doctor export_dir=... launch='python -m sglang.launch_server ...'` (or a vLLM line).
+"""`eaglepipe doctor export_dir=... launch='python -m sglang.launch_server ...'` (or a vLLM line), or
+`eaglepipe doctor export_dir=... server=http://host:port` for a running SGLang server (its /server_info).
 
 Reads a server launch line and the export it should serve, and flags each seed failure with a one-line fix:
 EAGLE instead of EAGLE3, a draft path that is not this export, aux ids missing or different, the other
@@ -39,10 +40,29 @@ def parse_launch(line: str) -> dict:
     raise UserError("launch line names neither sglang nor vllm")
 
 
-def diagnose(export_dir: Path, line: str) -> list[str]:
+def read_server(url: str) -> dict:
+    """engine, algorithm, draft path of a RUNNING SGLang server, from its resolved server args
+    (`GET /server_info`, the older `/get_server_info`: sglang/srt/utils/common.py::build_server_info)."""
+    import httpx
+
+    url = url.rstrip("/")
+    try:
+        for path in ("/server_info", "/get_server_info"):
+            r = httpx.get(url + path, timeout=30)
+            if r.status_code == 200:
+                info = r.json()
+                return {"engine": "sglang", "algorithm": info.get("speculative_algorithm"),
+                        "draft": info.get("speculative_draft_model_path")}
+    except httpx.HTTPError as e:
+        raise UserError(f"doctor: {url}: {type(e).__name__}: {e}; is the server running?") from None
+    raise UserError(f"doctor: {url} has no /server_info or /get_server_info: not an SGLang server "
+                    "(for vLLM pass its launch line: launch='vllm serve ...')")
+
+
+def diagnose(export_dir: Path, line: str | None = None, server: str | None = None) -> list[str]:
     export_dir = Path(export_dir)
     manifest, facts = read_export(export_dir)
-    launch = parse_launch(line)
+    launch = read_server(server) if server else parse_launch(line)
     findings = []
     algo = (launch["algorithm"] or "").upper()
     if algo != "EAGLE3":
@@ -60,9 +80,10 @@ def diagnose(export_dir: Path, line: str) -> list[str]:
 
 
 def run(cfg) -> Path:
-    if not cfg.export_dir or not cfg.launch:
-        raise UserError("doctor needs export_dir=<export folder> launch='<server launch line>'")
-    findings = diagnose(Path(cfg.export_dir), cfg.launch)
+    if not cfg.export_dir or not (cfg.launch or cfg.server):
+        raise UserError("doctor needs export_dir=<export folder> and launch='<server launch line>' "
+                        "or server=http://host:port (a running SGLang server)")
+    findings = diagnose(Path(cfg.export_dir), cfg.launch, cfg.server)
     for f in findings:
         print(f"doctor: {f}")
     if findings:

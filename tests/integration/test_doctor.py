@@ -78,3 +78,33 @@ def test_verify_of_a_broken_export_exits_2_naming_the_problem(export_dir, cache_
                         f"run_dir={tmp_path}"], cwd=ROOT, capture_output=True, text=True)
     assert r.returncode == 2 and "fc.weight is constant" in r.stdout, r.stdout + r.stderr
     assert "eaglepipe: error: 1 of 1 export(s) failed verification" in r.stderr
+
+
+def test_doctor_reads_a_running_sglang_servers_own_args(export_dir):
+    """SGLangServerInfoTestServer: a TEST SERVER answering /server_info with SGLang's resolved-args fields."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    info = {"speculative_algorithm": "EAGLE", "speculative_draft_model_path": str(export_dir / "sglang")}
+
+    class SGLangServerInfoTestServer(BaseHTTPRequestHandler):
+        def log_message(self, *args):
+            pass
+
+        def do_GET(self):
+            body = json.dumps(info).encode() if self.path == "/server_info" else b"{}"
+            self.send_response(200 if self.path == "/server_info" else 404)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), SGLangServerInfoTestServer)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        findings = diagnose(export_dir / "sglang", server=url)
+        assert len(findings) == 1 and "speculative algorithm is 'EAGLE', not EAGLE3" in findings[0]
+        info["speculative_algorithm"] = "EAGLE3"
+        assert diagnose(export_dir / "sglang", server=url) == []
+    finally:
+        server.shutdown()
