@@ -16,8 +16,9 @@ Route chosen (docs/conventions.md, "SGLang capture"): ModelRunner in-process, no
 `--enable-return-aux-hidden-states`: the Engine route converts every captured state to Python lists on
 the scheduler (managers/scheduler_components/batch_result_processor.py::_append_prefill_hidden_states,
 `.cpu().clone().tolist()`: 21,504 floats a token for Kimi-K2.5) and returns no last state at all. The
-ModelRunner route depends on more SGLang-internal API (ModelRunner, Req, ScheduleBatch, ForwardBatch); all of
-it is in `forward_capture`, the one function that needs a GPU, and the rest is contract-tested on CPU.
+ModelRunner route depends on more SGLang-internal API (ModelRunner, Req, ScheduleBatch, ForwardBatch): only
+`build_runner` and the forward in `forward_capture` need a GPU; requests, the prefix cache and the extend
+batch (`make_reqs`, `disabled_prefix_cache`, `extend_batch`) are contract-tested on CPU with SGLang's own pools.
 """
 
 from __future__ import annotations
@@ -89,6 +90,7 @@ def make_reqs(samples: list[list[int]], first_rid: int = 0) -> list:
         req = Req(rid=f"eaglepipe-{first_rid + j}", origin_input_text="", origin_input_ids=array("q", ids),
                   sampling_params=params, return_hidden_states=True)
         req.init_next_round_input(None)  # no prefix cache: the whole sample is this extend's input
+        req.extend_end = len(req.full_untruncated_fill_ids)  # non-chunked prefill, as schedule_policy sets it
         reqs.append(req)
     return reqs
 
@@ -132,6 +134,7 @@ class SGLangCapture:
         model = runner.model
         model.set_eagle3_layers_to_capture(sglang_layer_ids(aux_ids))
         self.hook = LastStateHook(model.model.norm)
+        self.tree_cache = disabled_prefix_cache(runner.req_to_token_pool, runner.token_to_kv_pool_allocator)
         self.next_rid = 0
 
     def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor):
@@ -139,7 +142,7 @@ class SGLangCapture:
         samples = [row[:n].tolist() for row, n in zip(input_ids, lengths)]
         reqs = make_reqs(samples, self.next_rid)
         self.next_rid += len(reqs)
-        aux, last = forward_capture(self.runner, reqs, self.hook)
+        aux, last = forward_capture(self.runner, reqs, self.hook, self.tree_cache)
         return unpad(aux.to(torch.bfloat16), last.to(torch.bfloat16), lengths)
 
     def remove(self):
@@ -160,17 +163,40 @@ def build_runner(target_dir: str, tp_rank: int, tp_size: int, nccl_port: int, me
                        nccl_port=nccl_port, server_args=args)
 
 
-def forward_capture(runner, reqs: list, hook: LastStateHook):
-    """THE GPU-only part: one extend forward with FULL capture; KV pools cleared after. (aux, last) flat."""
+def disabled_prefix_cache(req_to_token_pool, token_to_kv_pool_allocator):
+    """What SGLang's scheduler builds under --disable-radix-cache (mem_cache/registry.py::create_tree_cache ->
+    create_unified_radix_cache): a UnifiedRadixCache with disable=True over the FULL component. Batches need
+    one (ScheduleBatch consults it while allocating), it never shares a prefix."""
+    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+    from sglang.srt.mem_cache.unified_cache.components import ComponentType
+    from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
+
+    params = CacheInitParams(disable=True, req_to_token_pool=req_to_token_pool,
+                             token_to_kv_pool_allocator=token_to_kv_pool_allocator, page_size=1)
+    params.tree_components = (ComponentType.FULL,)
+    return UnifiedRadixCache(params)
+
+
+def extend_batch(reqs: list, req_to_token_pool, token_to_kv_pool_allocator, tree_cache, model_config):
+    """A ScheduleBatch of our requests, prepared for one extend (KV slots allocated). Runs on CPU too."""
     from sglang.srt.managers.schedule_batch import ScheduleBatch
-    from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardBatch
     from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 
-    batch = ScheduleBatch.init_new(reqs, runner.req_to_token_pool, runner.token_to_kv_pool_allocator,
-                                   tree_cache=None, model_config=runner.model_config, enable_overlap=False,
+    batch = ScheduleBatch.init_new(reqs, req_to_token_pool, token_to_kv_pool_allocator, tree_cache=tree_cache,
+                                   model_config=model_config, enable_overlap=False,
                                    spec_algorithm=SpeculativeAlgorithm.from_string("NONE"))
+    batch.prepare_for_extend()
+    return batch
+
+
+def forward_capture(runner, reqs: list, hook: LastStateHook, tree_cache=None):
+    """THE GPU-only part: one extend forward with FULL capture; KV pools cleared after. (aux, last) flat."""
+    from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardBatch
+
+    tree_cache = tree_cache or disabled_prefix_cache(runner.req_to_token_pool, runner.token_to_kv_pool_allocator)
     try:
-        batch.prepare_for_extend()
+        batch = extend_batch(reqs, runner.req_to_token_pool, runner.token_to_kv_pool_allocator, tree_cache,
+                             runner.model_config)
         forward_batch = ForwardBatch.init_new(batch, runner, capture_hidden_mode=CaptureHiddenMode.FULL,
                                               return_hidden_states_before_norm=False)
         out = runner.forward(forward_batch)

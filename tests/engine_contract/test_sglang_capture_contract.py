@@ -96,3 +96,22 @@ def test_unpad_restores_sample_order_and_lengths():
     assert last[0, 3:].abs().sum() == 0
     with pytest.raises(RuntimeError, match="11 tokens"):
         sc.unpad(aux_flat, last_flat, [4, 7])
+
+
+def test_our_requests_make_a_batch_that_sglang_prepares_for_extend_with_its_own_pools(target_dir, target):
+    """Everything forward_capture does before runner.forward, with SGLang's own pools and cache on CPU."""
+    from sglang.srt.configs.model_config import ModelConfig
+    from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+    config = ModelConfig.from_server_args(sc.server_args(target_dir, 1, "cpu"))
+    req_to_token = ReqToTokenPool(size=8, max_context_len=256, device="cpu", enable_memory_saver=False)
+    kv = MHATokenToKVPool(size=512, page_size=1, dtype=torch.bfloat16, head_num=2, head_dim=16, layer_num=8,
+                          device="cpu", enable_memory_saver=False)
+    allocator = TokenToKVPoolAllocator(512, torch.bfloat16, "cpu", kv, need_sort=False)
+    cache = sc.disabled_prefix_cache(req_to_token, allocator)
+    batch = sc.extend_batch(sc.make_reqs([[5, 6, 7], [8, 9]]), req_to_token, allocator, cache, config)
+    assert batch.forward_mode == ForwardMode.EXTEND and batch.extend_lens == [3, 2]
+    assert batch.seq_lens.tolist() == [3, 2] and len(batch.out_cache_loc) == 5  # one KV slot per token
+    assert batch.prefix_lens == [0, 0]  # nothing shared: each sample is computed whole
