@@ -83,14 +83,13 @@ def run(cfg) -> Path:
         (tmp / "serve.sh").write_text(serve_command(engine, store.facts["target_path"], out, cfg.export.serve) + "\n")
         os.chmod(tmp / "serve.sh", 0o755)
         rows = lay.tensor_table(names)
-        engine_ids = lay.sglang_layer_ids(store.aux_layer_ids) if engine == "sglang" else lay.vllm_layer_ids(store.aux_layer_ids)
+        engine_ids = lay.engine_layer_ids(engine, store.aux_layer_ids)
         manifest = {"schema_version": lay.SCHEMA_VERSION, "engine": engine,
-                    "engine_version_read": lay.SGLANG_VERSION if engine == "sglang" else lay.VLLM_VERSION,
+                    "engine_version_read": lay.engine_version(engine),
                     "aux_layer_ids_engine": engine_ids, **provenance, "tensors": rows}
         (tmp / "export_manifest.json").write_text(json.dumps(manifest, indent=1))
         problems, report = verify.verify_export(tmp, engine, store.facts, store.facts["target_path"],
-                                                cfg.export.verify_in_engine,
-                                                cfg.export.sglang_python if engine == "sglang" else cfg.export.vllm_python)
+                                                cfg.export.verify_in_engine, verify.configured_python(cfg, engine))
         if report:
             manifest["verified_by"] = {k: report[k] for k in ("engine", "engine_version", "class")}
             (tmp / "export_manifest.json").write_text(json.dumps(manifest, indent=1))

@@ -51,6 +51,11 @@ def engine_python(engine: str, python: str | None = None) -> str:
     return python
 
 
+def configured_python(cfg, engine: str) -> str | None:
+    """export.sglang_python / export.vllm_python (null = the repo's .venv-<engine>)."""
+    return cfg.export[f"{engine}_python"]
+
+
 def engine_report(folder: Path, engine: str, target_dir: str, python: str | None = None,
                   algorithm: str = "EAGLE3") -> dict:
     """Run pipeline/engines/<engine>_verify.py in the engine's virtualenv; its JSON report. For SGLang,
@@ -91,8 +96,7 @@ def verify_export(folder: Path, engine: str, facts: dict, target_dir: str, in_en
     if problems or not in_engine:
         return problems, None
     report = engine_report(folder, engine, target_dir, python)
-    want = lay.sglang_layer_ids(facts["aux_layer_ids"]) if engine == "sglang" else lay.vllm_layer_ids(facts["aux_layer_ids"])
-    return engine_problems(report, want), report
+    return engine_problems(report, lay.engine_layer_ids(engine, facts["aux_layer_ids"])), report
 
 
 def check_export(folder: Path, engine: str, facts: dict) -> list[str]:
@@ -105,7 +109,7 @@ def check_export(folder: Path, engine: str, facts: dict) -> list[str]:
     want_ids = facts["aux_layer_ids"]
     ids = ((config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids") if engine == "sglang"
            else config.get("eagle_aux_hidden_state_layer_ids"))
-    engine_want = lay.sglang_layer_ids(want_ids) if engine == "sglang" else lay.vllm_layer_ids(want_ids)
+    engine_want = lay.engine_layer_ids(engine, want_ids)
     if not ids:
         problems.append("aux layer ids missing from config.json: the engine would capture its default layers")
     elif ids != engine_want:
@@ -177,8 +181,8 @@ def run(cfg) -> Path:
             raise UserError(f"engine={engine!r}: known engines are {', '.join(ENGINE_MODULE)}")
         if engine != manifest["engine"]:
             print(f"verify: {folder} is in {manifest['engine']}'s layout; checking it as {engine} anyway")
-        python = cfg.export.sglang_python if engine == "sglang" else cfg.export.vllm_python
-        problems, report = verify_export(folder, engine, facts, manifest["target_path"], True, python)
+        problems, report = verify_export(folder, engine, facts, manifest["target_path"], True,
+                                         configured_python(cfg, engine))
         for p in problems:
             print(f"verify: {engine}: {p}")
         if problems:

@@ -34,6 +34,15 @@ def vllm_layer_ids(ours: list[int]) -> list[int]:
     return [k + 1 for k in ours]
 
 
+def engine_layer_ids(engine: str, ours: list[int]) -> list[int]:
+    return sglang_layer_ids(ours) if engine == "sglang" else vllm_layer_ids(ours)
+
+
+def engine_version(engine: str) -> str:
+    """The engine version whose source these layouts were read from."""
+    return SGLANG_VERSION if engine == "sglang" else VLLM_VERSION
+
+
 def speculators_to_sglang_name(name: str) -> str:
     return "midlayer." + name[len("layers.0."):] if name.startswith("layers.0.") else name
 
