@@ -225,7 +225,7 @@ def _open_store(cfg, facts: dict) -> dict:
     if int(os.environ.get("RANK", 0)) == 0 or backend(cfg) != "sglang":
         return fs.open_for_writing(out_dir(cfg), facts, overwrite=cfg.extract.overwrite)
     for _ in range(600):
-        manifest = fs.read_manifest(out_dir(cfg)) if (out_dir(cfg) / "manifest.json").exists() else None
+        manifest = fs.read_manifest(out_dir(cfg))
         if manifest and manifest.get("facts") == facts:
             return manifest
         time.sleep(1)

@@ -43,9 +43,16 @@ class LoaderAudit:
                 "parameters": {n: list(p.shape) for n, p in self.params.items()}}
 
 
-def free_port() -> int:
+def single_process_world(parallel_state) -> None:
+    """A gloo world of 1 and model parallel groups of 1, through the engine's own `parallel_state` module
+    (sglang.srt.distributed and vllm.distributed expose the same two calls). Idempotent."""
     import socket
 
-    with socket.socket() as s:  # for the single-process gloo world
+    if parallel_state.model_parallel_is_initialized():
+        return
+    with socket.socket() as s:  # a free port for the rendezvous
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        port = s.getsockname()[1]
+    parallel_state.init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
+                                                distributed_init_method=f"tcp://127.0.0.1:{port}")
+    parallel_state.initialize_model_parallel()

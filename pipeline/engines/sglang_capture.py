@@ -29,16 +29,13 @@ from pathlib import Path
 
 import torch
 
+from pipeline.formats import export_layouts as lay
+
 SGLANG_VERSION = "0.5.23"
 
 
 class CaptureUnsupported(Exception):
     pass
-
-
-def sglang_layer_ids(ours: list[int]) -> list[int]:
-    """Ids for set_eagle3_layers_to_capture: SGLang id k captures the output of decoder layer k, like ours."""
-    return list(ours)
 
 
 def capturing_classes() -> list[str]:
@@ -132,7 +129,7 @@ class SGLangCapture:
     def __init__(self, runner, aux_ids: list[int]):
         self.runner, self.aux_ids = runner, aux_ids
         model = runner.model
-        model.set_eagle3_layers_to_capture(sglang_layer_ids(aux_ids))
+        model.set_eagle3_layers_to_capture(lay.sglang_layer_ids(aux_ids))  # SGLang id k = output of layer k
         self.hook = LastStateHook(model.model.norm)
         self.tree_cache = disabled_prefix_cache(runner.req_to_token_pool, runner.token_to_kv_pool_allocator)
         self.next_rid = 0
@@ -189,11 +186,10 @@ def extend_batch(reqs: list, req_to_token_pool, token_to_kv_pool_allocator, tree
     return batch
 
 
-def forward_capture(runner, reqs: list, hook: LastStateHook, tree_cache=None):
+def forward_capture(runner, reqs: list, hook: LastStateHook, tree_cache):
     """THE GPU-only part: one extend forward with FULL capture; KV pools cleared after. (aux, last) flat."""
     from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardBatch
 
-    tree_cache = tree_cache or disabled_prefix_cache(runner.req_to_token_pool, runner.token_to_kv_pool_allocator)
     try:
         batch = extend_batch(reqs, runner.req_to_token_pool, runner.token_to_kv_pool_allocator, tree_cache,
                              runner.model_config)
@@ -216,14 +212,11 @@ def build_target_on_meta(target_dir: str):
     from sglang.srt.configs.model_config import ModelConfig
     from sglang.srt.distributed import parallel_state as ps
 
-    from pipeline.engines.loader_audit import free_port
+    from pipeline.engines.loader_audit import single_process_world
 
     args = server_args(target_dir, 1, "cpu")
     rc.publish(args, role="scheduler", ranks=rc.SpawnRanks(world_rank=0))
-    if not ps.model_parallel_is_initialized():
-        ps.init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
-                                        distributed_init_method=f"tcp://127.0.0.1:{free_port()}")
-        ps.initialize_model_parallel()
+    single_process_world(ps)
     config = ModelConfig.from_server_args(args)
     cls = target_class(config.hf_config.architectures[0])
     with torch.device("meta"):

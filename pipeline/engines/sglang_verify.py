@@ -30,11 +30,9 @@ def build(export_dir: str):
     from sglang.srt.models.llama_eagle3 import LlamaForCausalLMEagle3
     from transformers import LlamaConfig
 
-    from pipeline.engines.loader_audit import free_port
+    from pipeline.engines.loader_audit import single_process_world
 
-    ps.init_distributed_environment(world_size=1, rank=0, distributed_init_method=f"tcp://127.0.0.1:{free_port()}",
-                                    local_rank=0, backend="gloo")
-    ps.initialize_model_parallel()
+    single_process_world(ps)
     return LlamaForCausalLMEagle3(LlamaConfig.from_pretrained(export_dir))
 
 
@@ -62,10 +60,8 @@ def verify(export_dir: str, target_dir: str, algorithm: str = "EAGLE3") -> dict:
     serving = serving_resolution(args, algorithm)
     model = build(export_dir)
     audit = LoaderAudit(model)
-    eagle3_module.default_weight_loader = audit.recording(eagle3_module.default_weight_loader)
-    for p in audit.params.values():
-        if hasattr(p, "weight_loader"):
-            p.weight_loader = audit.recording(p.weight_loader)
+    # load_weights takes getattr(param, "weight_loader", default_weight_loader) for every parameter
+    audit.wrap_param_loaders(eagle3_module.default_weight_loader)
     tensors = load_file(f"{export_dir}/model.safetensors")
     errors = []
     try:

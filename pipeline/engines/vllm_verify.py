@@ -24,7 +24,7 @@ def build(export_dir: str, target_dir: str):
                              set_current_vllm_config)
     from vllm.distributed import parallel_state as ps
 
-    from pipeline.engines.loader_audit import free_port
+    from pipeline.engines.loader_audit import single_process_world
 
     target = ModelConfig(model=target_dir, dtype="bfloat16", skip_tokenizer_init=True)
     parallel = ParallelConfig()
@@ -34,9 +34,7 @@ def build(export_dir: str, target_dir: str):
                         device_config=DeviceConfig(device="cpu"))
     ctx = set_current_vllm_config(config)
     ctx.__enter__()  # vLLM's layers read the current config while they are built
-    ps.init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
-                                    distributed_init_method=f"tcp://127.0.0.1:{free_port()}")
-    ps.initialize_model_parallel()
+    single_process_world(ps)
     from vllm.model_executor.models.llama_eagle3 import Eagle3LlamaForCausalLM
 
     with torch.device("cpu"):

@@ -18,6 +18,7 @@ from pipeline.engines import shims  # noqa: E402
 
 shims.install()
 from pipeline.engines import sglang_capture as sc  # noqa: E402
+from pipeline.formats import export_layouts as lay  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +39,7 @@ def test_the_installed_sglang_is_the_version_the_conventions_were_read_from():
 
 def test_our_aux_ids_make_sglang_capture_the_outputs_of_the_same_layers(target):
     assert type(target).__name__ == "LlamaForCausalLM" and len(target.model.layers) == 8
-    target.set_eagle3_layers_to_capture(sc.sglang_layer_ids([1, 3, 4]))
+    target.set_eagle3_layers_to_capture(lay.sglang_layer_ids([1, 3, 4]))
     # SGLang captures the residual stream ENTERING layer k+1 = the output of layer k = our id k
     assert target.model.layers_to_capture == [2, 4, 5] and target.capture_aux_hidden_states is True
 
