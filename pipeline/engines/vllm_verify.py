@@ -1,7 +1,7 @@
 """Load an export into vLLM's OWN `Eagle3LlamaForCausalLM` through its OWN `load_weights`, on CPU.
 
 Runs inside the vLLM virtualenv (.venv-vllm: vllm 0.33.0 installed --no-deps beside CPU torch 2.14.1;
-`make setup-vllm`), never in the main one:
+`make setup-engines`), never in the main one:
     .venv-vllm/bin/python -m pipeline.engines.vllm_verify EXPORT_DIR TARGET_DIR
 vLLM's compiled ops (vllm._C) are absent on CPU and only warn; nothing here calls a kernel. The draft is
 built the way vLLM's proposer builds it: a `VllmConfig` whose `SpeculativeConfig(method="eagle3",

@@ -11,7 +11,7 @@ vllm 0.33.0 `vllm/model_executor/models/llama_eagle3.py`, `vllm/model_executor/m
 - vLLM (speculators format): keys `layers.0.*`; aux ids `eagle_aux_hidden_state_layer_ids`, id k = input of
   layer k = our k-1, so vLLM id = ours + 1.
 `sglang_load_report` replays SGLang's name mapping over an export's tensors against the parameter table of
-its module tree: a derived table, not the engine's own class (issue #4 adds that check).
+its module tree: a derived table, kept as the engine-free check; pipeline/engines/ loads into the engines' own classes.
 """
 
 from __future__ import annotations
