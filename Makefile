@@ -3,10 +3,9 @@
 setup:
 	./scripts/setup.sh
 
-# .venv-sglang, .venv-vllm: each engine's own model class for `verify` (torch 2.14.1; kept apart from .venv)
+# .venv-engines: SGLang's and vLLM's own model classes for `verify`, on the same CPU torch as .venv
 setup-engines:
-	./scripts/setup_engine.sh sglang
-	./scripts/setup_engine.sh vllm
+	./scripts/setup_engines.sh
 
 # prepare -> extract -> vocab -> train -> export (+verify) -> evaluate on the embedded default (SmolLM2-135M-Instruct + chitchat), on CPU
 demo: setup setup-engines

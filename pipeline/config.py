@@ -169,10 +169,10 @@ class ServeConfig:
 class ExportConfig:
     engines: list[str] = field(default_factory=lambda: ["sglang", "vllm"])
     serve: ServeConfig = field(default_factory=ServeConfig)
-    # Load each export into the engine's own class (own venvs: make setup-engines).
+    # Load each export into the engine's own class (.venv-engines: make setup-engines).
     verify_in_engine: bool = True
-    sglang_python: Optional[str] = None  # null = <repo>/.venv-sglang/bin/python
-    vllm_python: Optional[str] = None  # null = <repo>/.venv-vllm/bin/python
+    sglang_python: Optional[str] = None  # null = <repo>/.venv-engines/bin/python
+    vllm_python: Optional[str] = None  # null = <repo>/.venv-engines/bin/python
 
 
 @dataclass

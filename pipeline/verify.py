@@ -5,7 +5,7 @@ Two layers of checks, both run by `stage=export` before an export is published a
    numbering; fc.in_features == n_aux x target hidden; d2t/t2d invariants (d2t is an OFFSET table);
    every tensor finite and not constant; for SGLang, key names that every SGLang loads (`midlayer.*`), a
    draft_vocab_size, and a replay of its name mapping against its parameter table.
-2. `engine_report` (needs .venv-sglang / .venv-vllm, `make setup-engines`): the export goes through the
+2. `engine_report` (needs .venv-engines, `make setup-engines`): the export goes through the
    engine's OWN model class and OWN `load_weights` on CPU (pipeline/engines/*_verify.py), and the engine's own
    config resolution says which aux layers it will capture. Catches a key the loader drops without a word,
    a parameter never written, a wrong hot_token_id, aux capture switched off.
@@ -27,6 +27,8 @@ from pipeline.formats import vocab_map
 
 log = logging.getLogger(__name__)
 ROOT = Path(__file__).resolve().parents[1]
+# Both engines on CPU in one virtualenv (scripts/setup_engines.sh, requirements-engines.txt)
+ENGINES_PYTHON = ROOT / ".venv-engines" / "bin" / "python"
 ENGINE_MODULE = {"sglang": "pipeline.engines.sglang_verify", "vllm": "pipeline.engines.vllm_verify"}
 
 
@@ -44,7 +46,7 @@ def read_export(folder: Path) -> tuple[dict, dict]:
 
 
 def engine_python(engine: str, python: str | None = None) -> str:
-    python = python or str(ROOT / f".venv-{engine}" / "bin" / "python")
+    python = python or str(ENGINES_PYTHON)
     if not Path(python).exists():
         raise UserError(f"verifying against {engine}'s own class needs {python}: run `make setup-engines` "
                         "(or export.verify_in_engine=false to skip it, knowingly)")

@@ -1,6 +1,6 @@
 """Watch an engine's OWN `load_weights` fill its OWN model: what it consumed, dropped, and never wrote.
 
-Imported inside the engine virtualenvs (.venv-sglang, .venv-vllm), so it needs only torch. The method:
+Imported inside the engine virtualenvs (.venv-engines), so it needs only torch. The method:
 every engine parameter is poisoned with NaN before loading, and every weight loader the engine can call is
 wrapped to record which exported tensor it received. After `load_weights`: a tensor no loader received was
 dropped (silently, if the engine raised nothing), a parameter still all-NaN was never written, a parameter

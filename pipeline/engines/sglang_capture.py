@@ -1,6 +1,6 @@
 """`extract.backend=sglang`: the target's hidden states captured inside SGLang's own ModelRunner.
 
-Runs in a Python that has sglang==0.5.23 (a GPU box; CI's .venv-sglang for the contract tests). The feature
+Runs in a Python that has sglang==0.5.23 (a GPU box; CI's .venv-engines for the contract tests). The feature
 store, sharding, resume and sample order are extract.py's; this module only turns a padded batch of token
 ids into (aux, last) tensors, like extract.Capture does for HF:
 - aux: SGLang's own capture. `set_eagle3_layers_to_capture(ids)` (sglang/srt/models/llama.py) sets

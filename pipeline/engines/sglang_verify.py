@@ -1,7 +1,7 @@
 """Load an export into SGLang's OWN `LlamaForCausalLMEagle3` through its OWN `load_weights`, on CPU.
 
-Runs inside the sglang virtualenv (.venv-sglang: sglang 0.5.23, torch 2.14.1, transformers 5.19), never in
-the main one:   .venv-sglang/bin/python -m pipeline.engines.sglang_verify EXPORT_DIR TARGET_DIR [ALGORITHM]
+Runs inside the engines' virtualenv (.venv-engines: sglang 0.5.23 on CPU torch 2.13.0, transformers 5.19), never
+in the main one:   .venv-engines/bin/python -m pipeline.engines.sglang_verify EXPORT_DIR TARGET_DIR [ALGORITHM]
 Prints one JSON line: the engine version; tensors the loader consumed and dropped; engine parameters never
 written; whether hot_token_id == arange + d2t; and what SGLang's own server-side resolution
 (`resolve_spec_aux_hidden_state_config`) makes of this draft under ALGORITHM (default EAGLE3): whether

@@ -1,8 +1,8 @@
 """Load an export into vLLM's OWN `Eagle3LlamaForCausalLM` through its OWN `load_weights`, on CPU.
 
-Runs inside the vLLM virtualenv (.venv-vllm: vllm 0.33.0 installed --no-deps beside CPU torch 2.14.1;
+Runs inside the engines' virtualenv (.venv-engines: vllm 0.33.0 installed --no-deps beside CPU torch 2.13.0;
 `make setup-engines`), never in the main one:
-    .venv-vllm/bin/python -m pipeline.engines.vllm_verify EXPORT_DIR TARGET_DIR
+    .venv-engines/bin/python -m pipeline.engines.vllm_verify EXPORT_DIR TARGET_DIR
 vLLM's compiled ops (vllm._C) are absent on CPU and only warn; nothing here calls a kernel. The draft is
 built the way vLLM's proposer builds it: a `VllmConfig` whose `SpeculativeConfig(method="eagle3",
 model=EXPORT_DIR)` reads the export's config.json, a gloo world of 1. Prints one JSON line.

@@ -1,6 +1,6 @@
 """Contract tests of extract.backend=sglang against SGLang 0.5.23's REAL classes, on CPU.
 
-They run inside .venv-sglang (tests/integration/test_sglang_capture.py launches them there with
+They run inside .venv-engines (tests/integration/test_sglang_capture.py launches them there with
 `--noconftest`; in the main venv, without sglang, this module is skipped). No fake SGLang object: the
 target class, its layer-capture method, RMSNorm, Req and the registry are SGLang's own. What needs a GPU
 (SGLang's ModelRunner forward) is only `sglang_capture.forward_capture`; README shows the GPU command.

@@ -1,4 +1,4 @@
-"""extract.backend=sglang: the contract suite runs in .venv-sglang against SGLang's real classes; here, the
+"""extract.backend=sglang: the contract suite runs in .venv-engines against SGLang's real classes; here, the
 parts that run in the main venv (fail-early message, parity arithmetic on real stores)."""
 
 import os
@@ -12,13 +12,14 @@ from pipeline.errors import UserError
 from pipeline.formats.feature_store import FeatureStore
 from pipeline.parity import compare, relative_errors
 from pipeline.stages import run_stages
+from pipeline.verify import ENGINES_PYTHON
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_contract_suite_passes_inside_the_sglang_venv(tiny_folder):
-    r = subprocess.run([str(ROOT / ".venv-sglang" / "bin" / "python"), "-m", "pytest", "--noconftest", "-q",
+def test_contract_suite_passes_inside_the_engines_venv(tiny_folder):
+    r = subprocess.run([str(ENGINES_PYTHON), "-m", "pytest", "--noconftest", "-q",
                         "-p", "no:cacheprovider", "tests/engine_contract"], cwd=ROOT, capture_output=True, text=True,
                        env={**os.environ, "EAGLEPIPE_CONTRACT_TARGET": str(tiny_folder), "PYTHONPATH": str(ROOT)})
     assert r.returncode == 0 and " passed" in r.stdout and "skipped" not in r.stdout, r.stdout[-3000:] + r.stderr[-2000:]
