@@ -1,5 +1,5 @@
 # The two commands a fresh machine needs (README): `make demo` and `make test`.
-.PHONY: setup setup-engines demo test test-fast
+.PHONY: setup setup-engines setup-all demo test test-fast
 setup:
 	./scripts/setup.sh
 
@@ -7,12 +7,16 @@ setup:
 setup-engines:
 	./scripts/setup_engines.sh
 
+# both virtualenvs, side by side (pip is mostly one core each)
+setup-all:
+	$(MAKE) --no-print-directory -j2 setup setup-engines
+
 # prepare -> extract -> vocab -> train -> export (+verify) -> evaluate on the embedded default (SmolLM2-135M-Instruct + chitchat), on CPU
-demo: setup setup-engines
+demo: setup-all
 	.venv/bin/eaglepipe stage=all +experiment=demo
 
 # everything except hardware-bound markers; pytest exit 5 ("no tests ran") is not a failure
-test: setup setup-engines
+test: setup-all
 	.venv/bin/python -m pytest -m "not gpu and not requires_sglang_gpu" -q; rc=$$?; [ $$rc -eq 5 ] && exit 0; exit $$rc
 
 test-fast: setup

@@ -54,6 +54,7 @@ def run_stages(cfg) -> None:
     names = selected(stage)
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
+    ran = set()
     for name in names:
         module = importlib.import_module(f"pipeline.{name}")
         fp = module.fingerprint(cfg)
@@ -68,3 +69,7 @@ def run_stages(cfg) -> None:
         write_record(run_dir, name, {"fingerprint": fp, "output": str(out), "seconds": round(time.time() - t0, 1),
                                      "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S")})
         log.info("stage %s: done in %.1f s -> %s", name, time.time() - t0, out)
+        ran.add(name)
+    if stage == "all" and int(os.environ.get("RANK", "0")) == 0:  # one summary under accelerate/torchrun
+        from pipeline import summary
+        summary.report(run_dir, ran)

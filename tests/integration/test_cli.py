@@ -29,11 +29,21 @@ def test_stage_all_skips_fresh_stages_and_redoes_what_changed(make_cfg, tmp_path
     run_stages(cfg)
     first = read_records(tmp_path)
     assert set(first) == {"prepare", "extract", "vocab", "train", "export", "evaluate"}
+    summary = (tmp_path / "summary.md").read_text()  # the closing table, read back from what the stages wrote
+    table = {line.split(" | ")[0][2:]: line for line in summary.splitlines() if line.startswith("| ") and " s |" in line}
+    assert list(table) == ["prepare", "extract", "vocab", "train", "export", "evaluate"], summary
+    stats = json.loads((tmp_path / "prepared" / "stats.json").read_text())
+    assert f"{stats['samples']} samples, {stats['tokens']:,} tokens" in table["prepare"]
+    assert "aux layers [1, 3, 4] + last of 8" in table["extract"] and "val acc_0/1/2 " in table["train"]
+    assert "loaded by LlamaForCausalLMEagle3 (sglang 0.5.23)" in table["export"]
+    assert "loaded by Eagle3LlamaForCausalLM (vllm 0.33.0)" in table["export"] and "trained " in table["evaluate"]
+    assert str(tmp_path / "eval" / "tau.png") in summary and "up to date" not in summary
     caplog.clear()
     run_stages(cfg)
     for stage in first:
         assert f"stage {stage}: up to date" in caplog.text
     assert read_records(tmp_path) == first
+    assert (tmp_path / "summary.md").read_text().count("(up to date, skipped)") == 6
     # more data: prepare is redone; extract refuses to mix features from the old prepared set ...
     changed = make_cfg("+experiment=tiny", "data.limit=5", run_dir=tmp_path)
     with pytest.raises(UserError, match="prepared_fingerprint.*extract.overwrite=true"):

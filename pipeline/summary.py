@@ -1,0 +1,113 @@
+"""The closing summary of `stage=all`: per stage its time and key figure, and the files to open next.
+
+Read only from what the stages wrote (stages.json and each stage's own JSON), so it describes the run
+directory as it is on disk, including stages skipped as up to date. Printed with rich and saved as
+run_dir/summary.md (the same table in Markdown).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+ORDER = ["prepare", "extract", "vocab", "train", "export", "evaluate"]
+
+
+def _read(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _accs(rec: dict) -> str:
+    ks = sorted(int(k.split("_")[-1]) for k in rec if k.startswith("full_acc_"))[:3]
+    return "/".join(f"{rec[f'full_acc_{k}']:.3f}" for k in ks)
+
+
+def figures(run_dir: Path) -> dict[str, str]:
+    """One line per stage that has output: what it made, in numbers."""
+    r = Path(run_dir)
+    out = {}
+    if p := _read(r / "prepared" / "stats.json"):
+        skipped = sum((p.get("skipped_records") or {}).values())
+        out["prepare"] = (f"{p['samples']:,} samples, {p['tokens']:,} tokens ({p['supervised_tokens']:,} supervised)"
+                          + (f"; {skipped:,} records skipped" if skipped else "")
+                          + (f"; {p['regenerate']['turns_replaced']:,} turns regenerated ({p['regenerate']['backend']})"
+                             if isinstance(p.get("regenerate"), dict) else ""))
+    if (m := _read(r / "features" / "manifest.json")) and m.get("shards"):
+        f = m["facts"]
+        tokens = sum(s["num_tokens"] for s in m["shards"])
+        out["extract"] = (f"aux layers {f['aux_layer_ids']} + last of {f['num_layers']} (backend {f['backend']}, "
+                          f"{f['compute_dtype']}); {tokens:,} tokens in {len(m['shards'])} shard(s)")
+    if (v := _read(r / "vocab" / "manifest.json")) and (rep := _read(r / "vocab" / "report.json")):
+        out["vocab"] = (f"{v['draft_vocab_size']:,} draft ids of {v['target_vocab_size']:,} cover "
+                        f"{100 * v['coverage']:.2f}% of supervised tokens ({rep['distinct_ids_seen']:,} distinct seen)")
+    if t := _read(r / "train" / "final" / "train_summary.json"):
+        out["train"] = (f"{t['optimizer_steps']} steps; val acc_0/1/2 {_accs(t['val_before'])} -> "
+                        f"{_accs(t['val_after'])}")
+    exports = []
+    for engine in ("sglang", "vllm"):
+        if e := _read(r / "export" / engine / "export_manifest.json"):
+            by = e.get("verified_by")
+            exports.append(f"{engine}: checks passed, loaded by {by['class']} ({by['engine']} {by['engine_version']})"
+                           if by else f"{engine}: engine-free checks passed (export.verify_in_engine=false)")
+    if exports:
+        out["export"] = "; ".join(exports)
+    if a := _read(r / "eval" / "acceptance.json"):
+        ks = a["draft_lengths"]
+        tau = {n: "/".join(f"{a[n][str(k)]['tau']:.2f}" for k in ks) for n in ("trained", "untrained")}
+        mism = sum(a[n][str(k)]["greedy_mismatches"] for n in ("trained", "untrained") for k in ks)
+        out["evaluate"] = (f"tau k={'/'.join(map(str, ks))}: trained {tau['trained']} vs untrained "
+                           f"{tau['untrained']} ({a['prompts']} prompts; greedy mismatches {mism})")
+    return out
+
+
+def files_to_open(run_dir: Path) -> list[str]:
+    r = Path(run_dir)
+    wanted = ["train/plots/curves.png", "eval/tau.png", "eval/acceptance.json", "vocab/report.json",
+              "export/sglang/export_manifest.json", "export/sglang/serve.sh", "export/vllm/serve.sh"]
+    return [str(r / w) for w in wanted if (r / w).exists()]
+
+
+def rows(run_dir: Path, ran: set[str]) -> list[tuple[str, str, str]]:
+    """(stage, time, figure) for every stage in order; `ran` = the stages this invocation ran."""
+    records = _read(Path(run_dir) / "stages.json") or {}
+    figs = figures(run_dir)
+    out = []
+    for name in ORDER:
+        rec = records.get(name)
+        if rec is None and name not in figs:
+            out.append((name, "-", "not run"))
+            continue
+        secs = f"{rec['seconds']:.1f} s" if rec else "-"
+        out.append((name, secs if name in ran else f"{secs} (up to date, skipped)", figs.get(name, "no output found")))
+    return out
+
+
+def markdown(run_dir: Path, table: list[tuple[str, str, str]], files: list[str]) -> str:
+    lines = [f"# eaglepipe run summary: {run_dir}", "", "| stage | time | key figure |", "|---|---:|---|"]
+    lines += [f"| {s} | {t} | {f} |" for s, t, f in table]
+    lines += ["", "Open next:", ""] + [f"- `{p}`" for p in files]
+    return "\n".join(lines) + "\n"
+
+
+def report(run_dir: Path, ran: set[str]) -> Path:
+    """Print the summary table (rich) and write run_dir/summary.md; returns its path."""
+    from rich.console import Console
+    from rich.table import Table
+
+    run_dir = Path(run_dir)
+    table, files = rows(run_dir, ran), files_to_open(run_dir)
+    path = run_dir / "summary.md"
+    path.write_text(markdown(run_dir, table, files))
+    t = Table(title=f"eaglepipe: {run_dir}", show_lines=False)
+    t.add_column("stage", style="bold")
+    t.add_column("time", justify="right")
+    t.add_column("key figure", overflow="fold")
+    for row in table:
+        t.add_row(*row)
+    console = Console(width=max(Console().width, 120))
+    console.print(t)
+    console.print("open next:\n" + "\n".join(f"  {f}" for f in files + [str(path)]), soft_wrap=True)
+    return path
