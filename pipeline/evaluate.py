@@ -21,11 +21,11 @@ from safetensors.torch import load_file
 from pipeline import draft as draft_lib
 from pipeline import targets
 from pipeline.errors import UserError
-from pipeline.extract import Capture
+from pipeline.engines.hf_capture import Capture
 from pipeline.features_dataset import split
 from pipeline.formats import export_layouts as lay
 from pipeline.formats import feature_store as fs
-from pipeline.stages import digest
+from pipeline.fingerprint import digest
 
 log = logging.getLogger(__name__)
 
@@ -97,7 +97,7 @@ def speculate(model, capture: Capture, dr: ExportedDraft, prompt: list[int], max
     dev = model.device
     past = DynamicCache()
     out = model(input_ids=torch.tensor([prompt], device=dev), past_key_values=past, use_cache=True)
-    aux = torch.cat([capture.seen[i] for i in capture.aux_ids], -1)[0]
+    aux = capture.states()[0][0]
     nxt = int(out.logits[0, -1].argmax())
     ctx_tok, ctx_hid = prompt[1:] + [nxt], dr.fuse(aux)  # draft input at position t: token t+1, fused aux t
     generated, rounds = [nxt], []
@@ -114,7 +114,7 @@ def speculate(model, capture: Capture, dr: ExportedDraft, prompt: list[int], max
         while a < k and verify[a] == props[a]:
             a += 1
         new = props[:a] + [verify[a]]
-        aux = torch.cat([capture.seen[i] for i in capture.aux_ids], -1)[0, : a + 1]
+        aux = capture.states()[0][0, : a + 1]
         if a < k:
             past.crop(-(k - a))  # keep nxt and the accepted proposals: drop the k - a rejected ones
         ctx_tok, ctx_hid = ctx_tok + new, torch.cat([ctx_hid, dr.fuse(aux)])

@@ -22,7 +22,7 @@ from pipeline.errors import UserError
 from pipeline.formats import export_layouts as lay
 from pipeline.formats import feature_store as fs
 from pipeline.formats import vocab_map
-from pipeline.stages import digest
+from pipeline.fingerprint import digest
 
 log = logging.getLogger(__name__)
 ENGINES = ("sglang", "vllm")

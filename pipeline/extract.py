@@ -26,38 +26,16 @@ from tqdm import tqdm
 from pipeline import __version__, targets
 from pipeline.errors import UserError
 from pipeline.formats import feature_store as fs
-from pipeline.prepare import load_prepared
-from pipeline.stages import digest
+from pipeline.engines.hf_capture import CONVENTION, Capture, aux_layer_ids, pad_batch
+from pipeline.fingerprint import digest
+from pipeline.formats import prepared
 
 log = logging.getLogger(__name__)
 
-CONVENTION = "eaglepipe: id k = output (residual stream after) 0-based decoder layer k = HF hidden_states[k+1]"
 
 
 def out_dir(cfg) -> Path:
     return Path(cfg.run_dir) / "features"
-
-
-def default_aux_layers(num_layers: int) -> list[int]:
-    """[1, L//2-1, L-4]: the same physical layers as SGLang's and vLLM's defaults (docs/conventions.md)."""
-    return [1, num_layers // 2 - 1, num_layers - 4]
-
-
-def aux_layer_ids(requested: Optional[list], num_layers: int) -> list[int]:
-    """Validated aux ids (one error listing every problem)."""
-    ids = default_aux_layers(num_layers) if requested is None else [int(i) for i in requested]
-    problems = []
-    if not ids:
-        problems.append("extract.aux_layers is empty")
-    bad = [i for i in ids if not 0 <= i < num_layers]
-    if bad:
-        problems.append(f"aux layer ids {bad} outside [0, {num_layers - 1}] (the target has {num_layers} layers)")
-    dup = sorted({i for i in ids if ids.count(i) > 1})
-    if dup:
-        problems.append(f"aux layer ids {dup} repeated")
-    if problems:
-        raise UserError("extract.aux_layers=" + str(list(requested or ids)) + ": " + "; ".join(problems))
-    return ids
 
 
 def backend(cfg) -> str:
@@ -124,44 +102,6 @@ def plan_batches(lengths: list[int], batch_tokens: int, max_batch_size: int) -> 
     return batches
 
 
-def pad_batch(seqs: list) -> tuple[torch.Tensor, torch.Tensor]:
-    """Right-padded input_ids and attention mask: real tokens keep their positions."""
-    width = max(len(x) for x in seqs)
-    input_ids = torch.zeros(len(seqs), width, dtype=torch.long)
-    attn = torch.zeros(len(seqs), width, dtype=torch.long)
-    for r, x in enumerate(seqs):
-        input_ids[r, : len(x)] = torch.as_tensor(x)
-        attn[r, : len(x)] = 1
-    return input_ids, attn
-
-
-class Capture:
-    """Forward hooks on decoder layers; `__call__` returns (aux [B,T,n*H], last [B,T,H]) in bf16."""
-
-    def __init__(self, model, aux_ids: list[int]):
-        self.base = model.get_decoder()
-        layers = self.base.layers
-        self.aux_ids, self.last_id = list(aux_ids), len(layers) - 1
-        self.seen: dict[int, torch.Tensor] = {}
-        self.handles = [layers[k].register_forward_hook(self._hook(k)) for k in sorted(set(aux_ids) | {self.last_id})]
-
-    def _hook(self, k: int):
-        def hook(module, args, output):
-            self.seen[k] = (output[0] if isinstance(output, tuple) else output).to(torch.bfloat16)
-        return hook
-
-    @torch.inference_mode()
-    def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        self.seen.clear()
-        self.base(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
-        aux = torch.cat([self.seen[k] for k in self.aux_ids], dim=-1)
-        return aux, self.seen[self.last_id]
-
-    def remove(self) -> None:
-        for h in self.handles:
-            h.remove()
-
-
 def store_facts(cfg, folder: Path, model_cfg, tok, stats: dict, aux: list[int], dtype: torch.dtype,
                 num_samples: int) -> dict:
     """What produced the store: recorded in the manifest and every shard; later stages read these."""
@@ -184,7 +124,7 @@ def run(cfg) -> Path:
     folder = targets.resolve(cfg.target, cfg.cache_dir)
     model_cfg = targets.load_config(folder, cfg.target)
     aux = aux_layer_ids(ex.aux_layers, model_cfg.num_hidden_layers)
-    ds, stats = load_prepared(cfg.run_dir, ex.limit)
+    ds, stats = prepared.load(cfg.run_dir, ex.limit)
     if stats["target_fingerprint"] != targets.fingerprint(folder):
         raise UserError(f"prepared data in {cfg.run_dir}/prepared was tokenized for another target "
                         f"({stats['target_path']}); rerun stage=prepare or use another run_dir")

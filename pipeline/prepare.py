@@ -8,12 +8,8 @@ turn's rendered content or the end-of-turn token right after it.
 
 from __future__ import annotations
 
-import json
 import logging
-import os
-import shutil
 from pathlib import Path
-from typing import Optional
 
 import numpy as np
 from omegaconf import OmegaConf
@@ -23,14 +19,14 @@ from pipeline import __version__, targets
 from pipeline.errors import UserError
 from pipeline.regenerate import regenerate
 from pipeline.sources import Problems, load_conversations
-from pipeline.stages import digest
+from pipeline.fingerprint import digest
+from pipeline.formats import prepared
 
 log = logging.getLogger(__name__)
-SCHEMA_VERSION = 1
 
 
 def out_dir(cfg) -> Path:
-    return Path(cfg.run_dir) / "prepared"
+    return prepared.folder(cfg.run_dir)
 
 
 def check(cfg) -> None:
@@ -51,7 +47,7 @@ def fingerprint(cfg) -> str:
     if data.get("path") and Path(data["path"]).exists():
         st = Path(data["path"]).stat()
         data["_file"] = [st.st_size, st.st_mtime_ns]
-    return digest({"target": targets.fingerprint(folder), "data": data, "version": SCHEMA_VERSION,
+    return digest({"target": targets.fingerprint(folder), "data": data, "version": prepared.SCHEMA_VERSION,
                    "prepare": OmegaConf.to_container(cfg.prepare, resolve=True, enum_to_str=True)})
 
 
@@ -110,7 +106,7 @@ def run(cfg) -> Path:
     if not rows["sample_id"]:
         raise UserError(f"prepare: every conversation was dropped ({drops.as_dict()})")
     stats = _stats(cfg, folder, tok, rows, problems, drops, truncated, regen_stats)
-    _save(out_dir(cfg), rows, stats)
+    prepared.save(out_dir(cfg), rows, stats)
     log.info("prepare: %d samples, %d tokens (%d supervised, %.1f%%), %d truncated -> %s", stats["samples"],
              stats["tokens"], stats["supervised_tokens"], 100 * stats["supervised_tokens"] / stats["tokens"],
              truncated, out_dir(cfg))
@@ -163,7 +159,7 @@ def _stats(cfg, folder, tok, rows, problems, drops, truncated, regen_stats) -> d
     lengths = np.array([len(x) for x in rows["input_ids"]])
     supervised = int(sum(sum(m) for m in rows["loss_mask"]))
     return {
-        "schema_version": SCHEMA_VERSION, "produced_by": f"eaglepipe {__version__}",
+        "schema_version": prepared.SCHEMA_VERSION, "produced_by": f"eaglepipe {__version__}",
         "prepared_fingerprint": fingerprint(cfg), "target_path": str(folder),
         "target_fingerprint": targets.fingerprint(folder), "chat_template_hash": targets.chat_template_hash(tok),
         "max_len": cfg.prepare.max_len, "data": cfg.data.name, "samples": len(lengths),
@@ -171,33 +167,3 @@ def _stats(cfg, folder, tok, rows, problems, drops, truncated, regen_stats) -> d
         "length_mean": float(lengths.mean()), "length_max": int(lengths.max()),
         "skipped_records": problems.as_dict(), "dropped_samples": drops.as_dict(), "regenerate": regen_stats,
     }
-
-
-def _save(out: Path, rows: dict, stats: dict) -> None:
-    import datasets
-
-    features = datasets.Features({
-        "input_ids": datasets.Sequence(datasets.Value("int32")), "loss_mask": datasets.Sequence(datasets.Value("uint8")),
-        "sample_id": datasets.Value("int64"), "source_id": datasets.Value("string")})
-    tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    datasets.Dataset.from_dict(rows, features=features).save_to_disk(str(tmp))
-    (tmp / "stats.json").write_text(json.dumps(stats, indent=1))
-    shutil.rmtree(out, ignore_errors=True)
-    os.replace(tmp, out)
-
-
-def load_prepared(run_dir: Path | str, limit: Optional[int] = None):
-    """(dataset, stats) of a prepared folder, or a UserError telling which stage to run."""
-    import datasets
-
-    out = Path(run_dir) / "prepared"
-    if not (out / "stats.json").is_file():
-        raise UserError(f"no prepared data under {out}; run stage=prepare first")
-    stats = json.loads((out / "stats.json").read_text())
-    if stats.get("schema_version") != SCHEMA_VERSION:
-        raise UserError(f"{out} has schema {stats.get('schema_version')}, expected {SCHEMA_VERSION}; rerun stage=prepare")
-    ds = datasets.load_from_disk(str(out))
-    if limit is not None:
-        ds = ds.select(range(min(limit, len(ds))))
-    return ds, stats

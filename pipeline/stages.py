@@ -9,7 +9,6 @@ section and the fingerprints of what it reads, so a change upstream reaches ever
 
 from __future__ import annotations
 
-import hashlib
 import importlib
 import json
 import logging
@@ -22,10 +21,6 @@ log = logging.getLogger(__name__)
 
 ORDER = ["prepare", "extract", "vocab", "train", "export", "evaluate"]
 TOOLS = ["verify", "serve", "doctor", "parity"]  # read an export; no fingerprints, never part of `all`
-
-
-def digest(obj) -> str:
-    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
 def read_records(run_dir: Path) -> dict:

@@ -23,7 +23,7 @@ from pipeline.errors import UserError
 from pipeline.features_dataset import PackDataset, plan_packs, shard_for_rank, split
 from pipeline.formats import checkpoint, vocab_map
 from pipeline.formats import feature_store as fs
-from pipeline.stages import digest
+from pipeline.fingerprint import digest
 
 log = logging.getLogger(__name__)
 

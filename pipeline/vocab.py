@@ -17,7 +17,7 @@ from pipeline import __version__, targets
 from pipeline.errors import UserError
 from pipeline.formats import feature_store as fs
 from pipeline.formats import vocab_map
-from pipeline.stages import digest
+from pipeline.fingerprint import digest
 
 log = logging.getLogger(__name__)
 

@@ -22,6 +22,8 @@ from hydra import compose, initialize_config_dir
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 from pipeline import extract, prepare, targets  # noqa: E402
+from pipeline.engines import hf_capture  # noqa: E402
+from pipeline.formats import prepared  # noqa: E402
 from pipeline.config import register  # noqa: E402
 
 
@@ -33,7 +35,7 @@ def sync(device):
 def batches(cfg, ds, lengths):
     for spec in extract.plan_shards(lengths, cfg.extract.shard_tokens):
         for b in extract.plan_batches(spec.lengths, cfg.extract.batch_tokens, cfg.extract.max_batch_size):
-            yield extract.pad_batch([ds[spec.sample_start + i] for i in b])
+            yield hf_capture.pad_batch([ds[spec.sample_start + i] for i in b])
 
 
 def timed(fn, device) -> float:
@@ -49,13 +51,13 @@ def main(overrides):
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
         cfg = compose(config_name="config", overrides=overrides)
     t_prep = timed(lambda: prepare.run(cfg), torch.device("cpu"))
-    ds, stats = prepare.load_prepared(cfg.run_dir)
+    ds, stats = prepared.load(cfg.run_dir)
     ids_all = ds["input_ids"]
     lengths = np.array([len(x) for x in ids_all])
     device, dtype = targets.pick_device_dtype(cfg.extract.device, cfg.extract.dtype)
     folder = targets.resolve(cfg.target, cfg.cache_dir)
     model = targets.load_model(folder, cfg.target, device, dtype, cfg.extract.attn_implementation)
-    aux = extract.aux_layer_ids(cfg.extract.aux_layers, model.config.num_hidden_layers)
+    aux = hf_capture.aux_layer_ids(cfg.extract.aux_layers, model.config.num_hidden_layers)
     pinned = [(i.to(device), a.to(device)) for i, a in batches(cfg, ids_all, lengths)]  # inputs on device first
     base = model.get_decoder()
 
@@ -64,7 +66,7 @@ def main(overrides):
             for i, a in pinned:
                 base(input_ids=i, attention_mask=a, use_cache=False)
 
-    cap = extract.Capture(model, aux)
+    cap = hf_capture.Capture(model, aux)
 
     def capture():
         for i, a in pinned:

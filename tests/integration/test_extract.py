@@ -14,6 +14,7 @@ import zarr
 
 from pipeline import extract, prepare, targets
 from pipeline.errors import UserError
+from pipeline.formats import prepared
 from pipeline.formats.feature_store import FeatureStore
 
 pytestmark = pytest.mark.slow
@@ -67,9 +68,9 @@ def test_captured_features_equal_output_hidden_states_bit_for_bit(make_cfg, tmp_
         assert torch.equal(got["aux_hidden"].view(torch.int16), aux_ref.view(torch.int16)), s
         assert torch.equal(got["last_hidden"].view(torch.int16), last_ref.view(torch.int16)), s
         assert not torch.equal(got["last_hidden"], postnorm)  # the post-norm state is NOT what we store
-    prepared, _ = prepare.load_prepared(tmp_path)
-    assert [store.sample(i)["input_ids"].tolist() for i in range(len(store))] == prepared["input_ids"]
-    assert [store.sample(i)["loss_mask"].tolist() for i in range(len(store))] == prepared["loss_mask"]
+    ds, _ = prepared.load(tmp_path)
+    assert [store.sample(i)["input_ids"].tolist() for i in range(len(store))] == ds["input_ids"]
+    assert [store.sample(i)["loss_mask"].tolist() for i in range(len(store))] == ds["loss_mask"]
 
 
 def _arrays(root: Path) -> dict:

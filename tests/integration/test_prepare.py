@@ -7,7 +7,8 @@ from http.server import BaseHTTPRequestHandler, HTTPServer
 import pytest
 
 from pipeline import prepare, targets
-from pipeline.prepare import load_prepared, tokenize_with_mask
+from pipeline.formats.prepared import load as load_prepared
+from pipeline.prepare import tokenize_with_mask
 from pipeline.sources import load_conversations
 
 pytestmark = pytest.mark.slow

@@ -2,7 +2,8 @@ import numpy as np
 import pytest
 
 from pipeline.errors import UserError
-from pipeline.extract import aux_layer_ids, default_aux_layers, plan_batches, plan_shards
+from pipeline.engines.hf_capture import aux_layer_ids, default_aux_layers
+from pipeline.extract import plan_batches, plan_shards
 
 
 def test_default_aux_layers_match_the_engines_defaults():

@@ -1,0 +1,82 @@
+"""Capturing a transformers target's hidden states: the aux-layer numbering, padding, forward hooks.
+
+Used by stage `extract` (backend hf) to write the feature store, and by stage `evaluate` to feed the draft
+the same states while it decodes: one implementation, so what the draft is evaluated on is what it was
+trained on. Aux id k = output of 0-based decoder layer k (the residual stream after it, = HF
+hidden_states[k+1]); last = the PRE-norm output of the final decoder layer (HF's hidden_states[-1] has the
+final norm applied, which is not what EAGLE-3 trains on). docs/conventions.md.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from pipeline.errors import UserError
+
+CONVENTION = "eaglepipe: id k = output (residual stream after) 0-based decoder layer k = HF hidden_states[k+1]"
+
+
+def default_aux_layers(num_layers: int) -> list[int]:
+    """[1, L//2-1, L-4]: the same physical layers as SGLang's and vLLM's defaults (docs/conventions.md)."""
+    return [1, num_layers // 2 - 1, num_layers - 4]
+
+
+def aux_layer_ids(requested: Optional[list], num_layers: int) -> list[int]:
+    """Validated aux ids (one error listing every problem)."""
+    ids = default_aux_layers(num_layers) if requested is None else [int(i) for i in requested]
+    problems = []
+    if not ids:
+        problems.append("extract.aux_layers is empty")
+    bad = [i for i in ids if not 0 <= i < num_layers]
+    if bad:
+        problems.append(f"aux layer ids {bad} outside [0, {num_layers - 1}] (the target has {num_layers} layers)")
+    dup = sorted({i for i in ids if ids.count(i) > 1})
+    if dup:
+        problems.append(f"aux layer ids {dup} repeated")
+    if problems:
+        raise UserError("extract.aux_layers=" + str(list(requested or ids)) + ": " + "; ".join(problems))
+    return ids
+
+
+def pad_batch(seqs: list) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-padded input_ids and attention mask: real tokens keep their positions."""
+    width = max(len(x) for x in seqs)
+    input_ids = torch.zeros(len(seqs), width, dtype=torch.long)
+    attn = torch.zeros(len(seqs), width, dtype=torch.long)
+    for r, x in enumerate(seqs):
+        input_ids[r, : len(x)] = torch.as_tensor(x)
+        attn[r, : len(x)] = 1
+    return input_ids, attn
+
+
+class Capture:
+    """Forward hooks on decoder layers. `__call__` runs the decoder and returns (aux [B,T,n*H], last [B,T,H])
+    in bf16; `states()` returns the same from the model's most recent forward, whoever ran it."""
+
+    def __init__(self, model, aux_ids: list[int]):
+        self.base = model.get_decoder()
+        layers = self.base.layers
+        self.aux_ids, self.last_id = list(aux_ids), len(layers) - 1
+        self._seen: dict[int, torch.Tensor] = {}
+        self.handles = [layers[k].register_forward_hook(self._hook(k)) for k in sorted(set(aux_ids) | {self.last_id})]
+
+    def _hook(self, k: int):
+        def hook(module, args, output):
+            self._seen[k] = (output[0] if isinstance(output, tuple) else output).to(torch.bfloat16)
+        return hook
+
+    def states(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(aux concatenated in aux_ids order, last) of the latest forward."""
+        return torch.cat([self._seen[k] for k in self.aux_ids], dim=-1), self._seen[self.last_id]
+
+    @torch.inference_mode()
+    def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        self._seen.clear()
+        self.base(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+        return self.states()
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()

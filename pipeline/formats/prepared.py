@@ -1,0 +1,51 @@
+"""The prepared set (`run_dir/prepared/`, docs/prepared.md): an HF `datasets` folder + stats.json.
+
+Written by stage `prepare`, read by `extract` (and tests, benchmarks). Writing goes to `prepared.tmp` and is
+renamed into place, so a folder with stats.json is always complete.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Optional
+
+from pipeline.errors import UserError
+
+SCHEMA_VERSION = 1
+
+
+def folder(run_dir: Path | str) -> Path:
+    return Path(run_dir) / "prepared"
+
+
+def save(out: Path, rows: dict, stats: dict) -> None:
+    import datasets
+
+    features = datasets.Features({
+        "input_ids": datasets.Sequence(datasets.Value("int32")), "loss_mask": datasets.Sequence(datasets.Value("uint8")),
+        "sample_id": datasets.Value("int64"), "source_id": datasets.Value("string")})
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    datasets.Dataset.from_dict(rows, features=features).save_to_disk(str(tmp))
+    (tmp / "stats.json").write_text(json.dumps(stats, indent=1))
+    shutil.rmtree(out, ignore_errors=True)
+    os.replace(tmp, out)
+
+
+def load(run_dir: Path | str, limit: Optional[int] = None):
+    """(dataset, stats) of a prepared folder, or a UserError telling which stage to run."""
+    import datasets
+
+    out = folder(run_dir)
+    if not (out / "stats.json").is_file():
+        raise UserError(f"no prepared data under {out}; run stage=prepare first")
+    stats = json.loads((out / "stats.json").read_text())
+    if stats.get("schema_version") != SCHEMA_VERSION:
+        raise UserError(f"{out} has schema {stats.get('schema_version')}, expected {SCHEMA_VERSION}; rerun stage=prepare")
+    ds = datasets.load_from_disk(str(out))
+    if limit is not None:
+        ds = ds.select(range(min(limit, len(ds))))
+    return ds, stats
