@@ -163,6 +163,10 @@ class ServeConfig:
     num_steps: int = 3  # --speculative-num-steps (draft chain length)
     topk: int = 1  # --speculative-eagle-topk
     num_draft_tokens: int = 4  # --speculative-num-draft-tokens
+    # Extra server flags appended to serve.sh as written, e.g. [--attention-backend, triton] (an SGLang
+    # without FA3, like the H200 bundle's 0.5.17) or [--mem-fraction-static, "0.5"]
+    sglang_args: list[str] = field(default_factory=list)
+    vllm_args: list[str] = field(default_factory=list)
 
 
 @dataclass

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shlex
 import shutil
 from pathlib import Path
 
@@ -36,9 +37,11 @@ def out_dir(cfg) -> Path:
 def fingerprint(cfg) -> str:
     summary = Path(cfg.run_dir) / "train" / "final" / "train_summary.json"
     weights = Path(cfg.run_dir) / "train" / "final" / "model.safetensors"
+    # empty extra-flag lists leave the fingerprint of exports made before they existed unchanged
+    serve = {k: v for k, v in dict(cfg.export.serve).items() if not (k.endswith("_args") and not v)}
     return digest({"summary": summary.read_text() if summary.exists() else None,
                    "weights": weights.stat().st_mtime_ns if weights.exists() else None,
-                   "engines": list(cfg.export.engines), "serve": dict(cfg.export.serve)})
+                   "engines": list(cfg.export.engines), "serve": serve})
 
 
 def is_complete(cfg) -> bool:
@@ -129,10 +132,12 @@ def vllm_config(draft_cfg: dict, store: fs.FeatureStore) -> dict:
 
 
 def serve_command(engine: str, target: str, export: Path, serve) -> str:
+    extra = list(getattr(serve, f"{engine}_args", None) or [])
+    tail = (" " + shlex.join(str(a) for a in extra)) if extra else ""
     if engine == "sglang":
         return (f"python -m sglang.launch_server --model-path {target} --speculative-algorithm EAGLE3 "
                 f"--speculative-draft-model-path {export} --speculative-num-steps {serve.num_steps} "
                 f"--speculative-eagle-topk {serve.topk} --speculative-num-draft-tokens {serve.num_draft_tokens} "
-                f"--dtype bfloat16")
+                f"--dtype bfloat16{tail}")
     spec = json.dumps({"method": "eagle3", "model": str(export), "num_speculative_tokens": serve.num_steps})
-    return f"vllm serve {target} --speculative-config '{spec}' --dtype bfloat16"
+    return f"vllm serve {target} --speculative-config '{spec}' --dtype bfloat16{tail}"

@@ -21,7 +21,9 @@ def publish(export_dir: str, target_dir: str, algorithm: str):
 
     args = ServerArgs(model_path=target_dir, device="cpu", speculative_algorithm=algorithm,
                       speculative_draft_model_path=export_dir)
-    rc.publish(args, role="scheduler", ranks=rc.SpawnRanks(world_rank=0))
+    # 0.5.23 publishes the spawn ranks with the args; 0.5.17 has no SpawnRanks (one process: rank 0 either way)
+    ranks = {"ranks": rc.SpawnRanks(world_rank=0)} if hasattr(rc, "SpawnRanks") else {}
+    rc.publish(args, role="scheduler", **ranks)
     return args
 
 
