@@ -125,9 +125,20 @@ class VocabConfig:
     draft_vocab_size: int = 32000
 
 
+class WandbMode(str, Enum):
+    offline = "offline"
+    online = "online"  # needs a key
+    disabled = "disabled"
+
+
+class Resume(str, Enum):
+    auto = "auto"  # continue from the newest complete checkpoint under train/
+    never = "never"  # start fresh: deletes every earlier checkpoint and final/ (so none is resumed later)
+
+
 @dataclass
 class WandbConfig:
-    mode: str = "offline"  # offline | online (needs a key) | disabled
+    mode: WandbMode = WandbMode.offline
     project: str = "eaglepipe"
     name: Optional[str] = None  # null = run_name
 
@@ -151,7 +162,7 @@ class TrainConfig:
     log_every_steps: int = 5
     save_every_steps: int = 100
     keep_last: int = 2
-    resume: str = "auto"  # auto | never
+    resume: Resume = Resume.auto  # a typo fails at composition, never falls through to the deleting `never`
     num_workers: int = 1  # DataLoader prefetch workers
     device: str = "auto"
     attn_implementation: str = "sdpa"  # FlexAttention has no CPU backward: sdpa/eager on CPU

@@ -191,11 +191,15 @@ def untrained_tensors(cfg, store, folder: Path) -> dict:
 
 
 def heldout_prompts(cfg, store, n: int, prompt_tokens: int) -> list[list[int]]:
-    """Prefixes of validation samples (held out from training by the same seeded split) up to their first
+    """Prefixes of the validation samples train held out (train_summary.json's `val_samples`) up to their first
     supervised token, i.e. up to where the assistant starts answering; at most prompt_tokens long."""
-    _, val = split(len(store), cfg.train.val_fraction, cfg.seed)
+    summary = Path(cfg.run_dir) / "train" / "final" / "train_summary.json"
+    val = json.loads(summary.read_text()).get("val_samples") if summary.is_file() else None
+    if val is None:  # a draft trained before train recorded its split: the same seeded split, recomputed
+        log.warning("evaluate: %s records no val_samples; recomputing the split from train.val_fraction", summary)
+        val = split(len(store), cfg.train.val_fraction, cfg.seed)[1].tolist()
     prompts = []
-    for i in val.tolist():
+    for i in val:
         s = store.sample(i)
         first = int(torch.nonzero(s["loss_mask"])[0]) if s["loss_mask"].any() else len(s["input_ids"])
         if 1 < first <= prompt_tokens:

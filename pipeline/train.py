@@ -12,6 +12,7 @@ import json
 import logging
 import time
 from collections import defaultdict
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -19,6 +20,7 @@ from omegaconf import OmegaConf
 from tqdm import tqdm
 
 from pipeline import __version__, draft, targets
+from pipeline.config import Resume
 from pipeline.errors import UserError
 from pipeline.features_dataset import PackDataset, plan_packs, shard_for_rank, split
 from pipeline.formats import checkpoint, vocab_map
@@ -39,8 +41,6 @@ def check(cfg) -> None:
             problems.append(f"train.{key}={t[key]} must be >= 1")
     if not 0 <= t.val_fraction < 1:
         problems.append(f"train.val_fraction={t.val_fraction} must be in [0, 1)")
-    if t.wandb.mode not in ("offline", "online", "disabled"):
-        problems.append(f"train.wandb.mode={t.wandb.mode}: offline, online or disabled")
     if problems:
         raise UserError("; ".join(problems))
 
@@ -85,12 +85,71 @@ def make_accelerator(cfg):
                        log_with=trackers, project_dir=str(out_dir(cfg)))
 
 
+@dataclass
+class Plan:
+    """What the data gives this rank: the sample split, the packs of every epoch, the step count."""
+    train_idx: list
+    val_idx: list
+    epochs: list  # per epoch, this rank's packs
+    val_packs: list
+    total_steps: int
+
+
+@dataclass
+class Session:
+    """What one training run works with, built once by `_setup`."""
+    accelerator: object
+    model: object
+    optimizer: object
+    scheduler: object
+    trainable: list
+    fwd: dict  # the draft's forward kwargs (TTT steps, loss)
+    store: fs.FeatureStore
+    root: Path
+    upstream: dict  # what the weights depend on; a checkpoint of other upstream is refused
+    last_metrics: dict = field(default_factory=dict)  # the latest micro-batch's metric sums (on the device)
+
+
+@dataclass
+class Progress:
+    step: int = 0
+    epoch: int = 0
+    done_in_epoch: int = 0  # micro-batches of `epoch` already trained
+
+
 def run(cfg) -> Path:
+    check(cfg)
+    s, plan = _setup(cfg)
+    progress = _resume_or_clear(cfg, s)
+    _start_logging(cfg, s, plan, progress)
+    _loop(cfg, s, plan, progress)
+    final_val = _validate(s.accelerator, s.model, cfg, plan.val_packs, s.fwd)
+    _log(s.accelerator, s.root / "metrics.jsonl", {"split": "val", **final_val}, progress.step)
+    _finish(s.accelerator, s.model, cfg, s.root, progress.step, final_val, s.upstream, plan.val_idx)
+    s.accelerator.end_training()
+    return s.root
+
+
+def _plan(cfg, store: fs.FeatureStore, rank: int, world: int) -> Plan:
+    t = cfg.train
+    lengths = store.sample_lengths()
+    train_idx, val_idx = split(len(lengths), t.val_fraction, cfg.seed)
+    epochs = [shard_for_rank(plan_packs(train_idx, lengths, t.tokens_per_pack, cfg.seed, e), rank, world)
+              for e in range(t.epochs)]
+    steps = sum(len(p) // t.grad_accum for p in epochs)
+    total_steps = min(steps, t.max_steps or steps)
+    if total_steps < 1:
+        raise UserError(f"no optimizer step fits: {len(train_idx)} training samples make {len(epochs[0])} packs "
+                        f"per rank, fewer than train.grad_accum={t.grad_accum}; lower tokens_per_pack or add data")
+    val_packs = shard_for_rank(plan_packs(val_idx, lengths, t.tokens_per_pack, cfg.seed, 0, shuffle=False), rank, world)
+    return Plan(list(train_idx), list(val_idx), epochs, val_packs, total_steps)
+
+
+def _setup(cfg) -> tuple[Session, Plan]:
     from accelerate.utils import set_seed
     from speculators.losses.utils import resolve_loss_config
     from transformers import get_scheduler
 
-    check(cfg)
     t = cfg.train
     store, d2t, t2d, vman = load_inputs(cfg)
     accelerator = make_accelerator(cfg)
@@ -99,24 +158,15 @@ def run(cfg) -> Path:
     target_hf = targets.load_config(folder, cfg.target)
     if target_hf.hidden_size != store.hidden_size:
         raise UserError(f"target hidden size {target_hf.hidden_size} != feature store's {store.hidden_size}")
-    lengths = store.sample_lengths()
-    train_idx, val_idx = split(len(lengths), t.val_fraction, cfg.seed)
-    epochs = [shard_for_rank(plan_packs(train_idx, lengths, t.tokens_per_pack, cfg.seed, e), accelerator.process_index,
-                             accelerator.num_processes) for e in range(t.epochs)]
-    steps_per_epoch = [len(p) // t.grad_accum for p in epochs]
-    total_steps = min(sum(steps_per_epoch), t.max_steps or sum(steps_per_epoch))
-    if total_steps < 1:
-        raise UserError(f"no optimizer step fits: {len(train_idx)} training samples make {len(epochs[0])} packs "
-                        f"per rank, fewer than train.grad_accum={t.grad_accum}; lower tokens_per_pack or add data")
-    val_packs = shard_for_rank(plan_packs(val_idx, lengths, t.tokens_per_pack, cfg.seed, 0, shuffle=False),
-                               accelerator.process_index, accelerator.num_processes)
+    plan = _plan(cfg, store, accelerator.process_index, accelerator.num_processes)
     model = draft.build(folder, target_hf, store.aux_layer_ids, d2t, t2d, t.ttt_steps, t.attn_implementation)
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=t.lr, weight_decay=t.weight_decay, betas=(0.9, 0.95))
-    scheduler = get_scheduler(t.schedule, optimizer, num_warmup_steps=t.warmup_steps, num_training_steps=total_steps)
+    scheduler = get_scheduler(t.schedule, optimizer, num_warmup_steps=t.warmup_steps,
+                              num_training_steps=plan.total_steps)
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
-    loss_config = resolve_loss_config(t.loss, "eager")
-    fwd = dict(ttt_steps=t.ttt_steps, ttt_step_loss_decay=t.ttt_step_loss_decay, loss_config=loss_config)
+    fwd = dict(ttt_steps=t.ttt_steps, ttt_step_loss_decay=t.ttt_step_loss_decay,
+               loss_config=resolve_loss_config(t.loss, "eager"))
     root = out_dir(cfg)
     root.mkdir(parents=True, exist_ok=True)
     shaping = {k: v for k, v in OmegaConf.to_container(t, resolve=True).items()
@@ -124,82 +174,102 @@ def run(cfg) -> Path:
                             "num_workers", "wandb", "device")}
     upstream = {"features_manifest_hash": store.manifest_hash(), "vocab_coverage": vman["coverage"],
                 "target_fingerprint": store.facts["target_fingerprint"], "train_config_hash": digest(shaping)}
-    step, epoch, done_in_epoch = 0, 0, 0
-    found = checkpoint.latest(root) if t.resume == "auto" else None
-    if found:
-        accelerator.load_state(str(found[0]))
-        state = found[1]
-        if state["upstream"] != upstream or state["seed"] != cfg.seed:
-            raise UserError(f"checkpoint {found[0]} was trained on other inputs or another train config; "
-                            "use a new run_dir or train.resume=never")
-        step, epoch, done_in_epoch = state["optimizer_step"], state["epoch"], state["batches_done_in_epoch"]
-        log.info("train: resumed from %s (step %d, epoch %d, %d batches into it)", found[0], step, epoch, done_in_epoch)
-    elif accelerator.is_main_process:
-        stale = checkpoint.clear(root)  # a fresh start must never leave older checkpoints for a later resume
-        if stale:
-            log.warning("train: starting fresh; removed %d earlier checkpoint/final folders under %s", stale, root)
     if accelerator.is_main_process:
         log.info("train: %d train / %d val samples, %d packs/epoch/rank of <= %d tokens, %d ranks, %d steps, "
                  "aux layers %s (from the feature store), draft vocab %d, %d trainable params",
-                 len(train_idx), len(val_idx), len(epochs[0]), t.tokens_per_pack, accelerator.num_processes,
-                 total_steps, store.aux_layer_ids, len(d2t), sum(p.numel() for p in trainable))
-    if t.wandb.mode != "disabled":
-        accelerator.init_trackers(t.wandb.project, config=OmegaConf.to_container(cfg, resolve=True),
-                                  init_kwargs={"wandb": {"mode": t.wandb.mode, "name": t.wandb.name or cfg.run_name,
-                                                         "dir": str(root)}})
-    metrics_file = root / "metrics.jsonl"
-    if step == 0:
-        metrics_file.unlink(missing_ok=True)
-        _log(accelerator, metrics_file, {"split": "val", **_validate(accelerator, model, cfg, val_packs, fwd)}, 0)
+                 len(plan.train_idx), len(plan.val_idx), len(plan.epochs[0]), t.tokens_per_pack,
+                 accelerator.num_processes, plan.total_steps, store.aux_layer_ids, len(d2t),
+                 sum(p.numel() for p in trainable))
+    return Session(accelerator, model, optimizer, scheduler, trainable, fwd, store, root, upstream), plan
 
+
+def _resume_or_clear(cfg, s: Session) -> Progress:
+    """resume=auto: continue from the newest complete checkpoint of the same upstream; else start fresh, and
+    delete every earlier checkpoint so that none is ever resumed later."""
+    found = checkpoint.latest(s.root) if cfg.train.resume == Resume.auto else None
+    if found:
+        s.accelerator.load_state(str(found[0]))
+        state = found[1]
+        if state["upstream"] != s.upstream or state["seed"] != cfg.seed:
+            raise UserError(f"checkpoint {found[0]} was trained on other inputs or another train config; "
+                            "use a new run_dir or train.resume=never")
+        p = Progress(state["optimizer_step"], state["epoch"], state["batches_done_in_epoch"])
+        log.info("train: resumed from %s (step %d, epoch %d, %d batches into it)", found[0], p.step, p.epoch,
+                 p.done_in_epoch)
+        return p
+    if s.accelerator.is_main_process:
+        stale = checkpoint.clear(s.root)
+        if stale:
+            log.warning("train: starting fresh; removed %d earlier checkpoint/final folders under %s", stale, s.root)
+    return Progress()
+
+
+def _start_logging(cfg, s: Session, plan: Plan, p: Progress) -> None:
+    t = cfg.train
+    if t.wandb.mode != "disabled":
+        s.accelerator.init_trackers(t.wandb.project, config=OmegaConf.to_container(cfg, resolve=True),
+                                    init_kwargs={"wandb": {"mode": t.wandb.mode.value, "name": t.wandb.name or cfg.run_name,
+                                                           "dir": str(s.root)}})
+    if p.step == 0:
+        metrics_file = s.root / "metrics.jsonl"
+        metrics_file.unlink(missing_ok=True)
+        _log(s.accelerator, metrics_file, {"split": "val", **_validate(s.accelerator, s.model, cfg, plan.val_packs, s.fwd)}, 0)
+
+
+def _loop(cfg, s: Session, plan: Plan, p: Progress) -> None:
+    """Epochs of micro-batches from p onwards; logs, validates and checkpoints on the configured steps."""
+    t, acc = cfg.train, s.accelerator
+    metrics_file = s.root / "metrics.jsonl"
     window, t0, window_tokens = defaultdict(float), time.time(), 0
-    bar = tqdm(total=total_steps, initial=step, disable=not accelerator.is_local_main_process, desc="train")
-    while step < total_steps and epoch < t.epochs:
-        loader = torch.utils.data.DataLoader(PackDataset(store.root, epochs[epoch][done_in_epoch:], t.tokens_per_pack),
+    bar = tqdm(total=plan.total_steps, initial=p.step, disable=not acc.is_local_main_process, desc="train")
+    while p.step < plan.total_steps and p.epoch < t.epochs:
+        packs = plan.epochs[p.epoch]
+        loader = torch.utils.data.DataLoader(PackDataset(s.store.root, packs[p.done_in_epoch:], t.tokens_per_pack),
                                              batch_size=None, shuffle=False, num_workers=t.num_workers,
-                                             pin_memory=accelerator.device.type == "cuda")
-        model.train()
+                                             pin_memory=acc.device.type == "cuda")
+        s.model.train()
         for batch in loader:
-            batch = {k: v.to(accelerator.device, non_blocking=True) for k, v in batch.items()}
-            with accelerator.accumulate(model):
-                _, loss, m = model(**_cast(batch, accelerator), **fwd)
-                accelerator.backward(loss)
-                if accelerator.sync_gradients and t.max_grad_norm:
-                    accelerator.clip_grad_norm_(trainable, t.max_grad_norm)
-                optimizer.step()
-                scheduler.step()
-                optimizer.zero_grad(set_to_none=True)
-            done_in_epoch += 1
+            _micro_step(t, s, batch)
+            p.done_in_epoch += 1
             window_tokens += batch["input_ids"].numel()
-            for k, v in m.items():  # summed on the device; read back only when logging (no per-step sync)
+            for k, v in s.last_metrics.items():  # summed on the device; read back only when logging (no per-step sync)
                 window[k] = window[k] + v.detach()
-            if not accelerator.sync_gradients:
+            if not acc.sync_gradients:
                 continue
-            step += 1
+            p.step += 1
             bar.update(1)
-            if step % t.log_every_steps == 0 or step == total_steps:
+            if p.step % t.log_every_steps == 0 or p.step == plan.total_steps:
                 rec = {"split": "train", **_summarise({k: float(v) for k, v in window.items()}, t.ttt_steps),
-                       "lr": scheduler.get_last_lr()[0],
-                       "epoch": epoch, "tokens_per_s": window_tokens * accelerator.num_processes / (time.time() - t0)}
-                bar.set_description(f"train|ep {epoch}|step {step}|loss {rec['loss']:.3f}")
-                _log(accelerator, metrics_file, rec, step)
+                       "lr": s.scheduler.get_last_lr()[0], "epoch": p.epoch,
+                       "tokens_per_s": window_tokens * acc.num_processes / (time.time() - t0)}
+                bar.set_description(f"train|ep {p.epoch}|step {p.step}|loss {rec['loss']:.3f}")
+                _log(acc, metrics_file, rec, p.step)
                 window, t0, window_tokens = defaultdict(float), time.time(), 0
-            if step % t.val_every_steps == 0 and step < total_steps:
-                _log(accelerator, metrics_file, {"split": "val", **_validate(accelerator, model, cfg, val_packs, fwd)}, step)
-                model.train()
-            if step % t.save_every_steps == 0 or step == total_steps:
-                _save(accelerator, root, {"optimizer_step": step, "epoch": epoch, "batches_done_in_epoch": done_in_epoch,
-                                          "seed": cfg.seed, "upstream": upstream}, t.keep_last)
-            if step >= total_steps:
+            if p.step % t.val_every_steps == 0 and p.step < plan.total_steps:
+                _log(acc, metrics_file, {"split": "val", **_validate(acc, s.model, cfg, plan.val_packs, s.fwd)}, p.step)
+                s.model.train()
+            if p.step % t.save_every_steps == 0 or p.step == plan.total_steps:
+                _save(acc, s.root, {"optimizer_step": p.step, "epoch": p.epoch, "batches_done_in_epoch": p.done_in_epoch,
+                                    "seed": cfg.seed, "upstream": s.upstream}, t.keep_last)
+            if p.step >= plan.total_steps:
                 break
-        if done_in_epoch >= len(epochs[epoch]) - len(epochs[epoch]) % t.grad_accum:
-            epoch, done_in_epoch = epoch + 1, 0
+        if p.done_in_epoch >= len(packs) - len(packs) % t.grad_accum:
+            p.epoch, p.done_in_epoch = p.epoch + 1, 0
     bar.close()
-    final_val = _validate(accelerator, model, cfg, val_packs, fwd)
-    _log(accelerator, metrics_file, {"split": "val", **final_val}, step)
-    _finish(accelerator, model, cfg, root, step, final_val, upstream)
-    accelerator.end_training()
-    return root
+
+
+def _micro_step(t, s: Session, batch: dict) -> None:
+    """One micro-batch forward/backward; the optimizer steps when accelerate's accumulation window closes."""
+    acc = s.accelerator
+    batch = {k: v.to(acc.device, non_blocking=True) for k, v in batch.items()}
+    with acc.accumulate(s.model):
+        _, loss, s.last_metrics = s.model(**_cast(batch, acc), **s.fwd)
+        acc.backward(loss)
+        if acc.sync_gradients and t.max_grad_norm:
+            acc.clip_grad_norm_(s.trainable, t.max_grad_norm)
+        s.optimizer.step()
+        s.scheduler.step()
+        s.optimizer.zero_grad(set_to_none=True)
 
 
 def _cast(batch: dict, accelerator) -> dict:
@@ -257,7 +327,7 @@ def _save(accelerator, root: Path, state: dict, keep_last: int) -> None:
     accelerator.wait_for_everyone()
 
 
-def _finish(accelerator, model, cfg, root: Path, step: int, final_val: dict, upstream: dict) -> None:
+def _finish(accelerator, model, cfg, root: Path, step: int, final_val: dict, upstream: dict, val_idx: list) -> None:
     accelerator.wait_for_everyone()
     if not accelerator.is_main_process:
         return
@@ -267,6 +337,7 @@ def _finish(accelerator, model, cfg, root: Path, step: int, final_val: dict, ups
     first_val = next(r for r in rows if r["split"] == "val")
     summary = {"produced_by": f"eaglepipe {__version__}", "optimizer_steps": step, "upstream": upstream,
                "val_before": first_val, "val_after": final_val,
+               "val_samples": [int(i) for i in val_idx],  # held out by sample; evaluate prompts from these
                "config": OmegaConf.to_container(cfg, resolve=True)}
     (final / "train_summary.json").write_text(json.dumps(summary, indent=1, default=str))
     _plot(rows, root / "plots", cfg.train.ttt_steps)
@@ -281,12 +352,12 @@ def _plot(rows: list[dict], out: Path, ttt_steps: int) -> None:
 
     out.mkdir(parents=True, exist_ok=True)
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    for split, style in (("train", "-"), ("val", "o--")):
-        pts = [r for r in rows if r["split"] == split]
+    for part, style in (("train", "-"), ("val", "o--")):
+        pts = [r for r in rows if r["split"] == part]
         for k in range(ttt_steps):
             xs = [r["step"] for r in pts]
-            axes[0].plot(xs, [r[f"loss_{k}"] for r in pts], style, label=f"{split} loss_{k}")
-            axes[1].plot(xs, [r[f"full_acc_{k}"] for r in pts], style, label=f"{split} full_acc_{k}")
+            axes[0].plot(xs, [r[f"loss_{k}"] for r in pts], style, label=f"{part} loss_{k}")
+            axes[1].plot(xs, [r[f"full_acc_{k}"] for r in pts], style, label=f"{part} full_acc_{k}")
     for ax, title in zip(axes, ("loss per TTT step", "full accuracy per TTT step")):
         ax.set_title(title)
         ax.set_xlabel("optimizer step")

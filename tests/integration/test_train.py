@@ -39,6 +39,24 @@ def test_trained_draft_beats_an_untrained_one_on_held_out_samples(tiny_run):
     assert {"loss_2", "full_acc_2", "cond_acc_2", "tokens_per_s", "lr"} <= set(rows[1])
 
 
+def test_the_validation_split_is_recorded_and_evaluate_prompts_only_from_it(tiny_run):
+    from pipeline.evaluate import heldout_prompts
+    from pipeline.features_dataset import split
+
+    cfg, run_dir = tiny_run
+    summary = json.loads((run_dir / "train" / "final" / "train_summary.json").read_text())
+    store = FeatureStore(run_dir / "features")
+    train_idx, val_idx = split(len(store), cfg.train.val_fraction, cfg.seed)
+    assert summary["val_samples"] == val_idx.tolist() and not set(summary["val_samples"]) & set(train_idx.tolist())
+    heldout = {tuple(store.sample(i)["input_ids"].tolist()) for i in summary["val_samples"]}
+    prompts = heldout_prompts(cfg, store, 100, 10_000)
+    assert prompts and all(any(h[: len(p)] == tuple(p) for h in heldout) for p in prompts)
+    # evaluate follows the record, not its own recomputation: with another val_fraction it still asks train's
+    changed = cfg.copy()
+    changed.train.val_fraction = 0.5
+    assert heldout_prompts(changed, store, 100, 10_000) == prompts
+
+
 def test_aux_layer_ids_flow_from_the_store_into_the_draft(make_cfg, tmp_path):
     cfg = make_cfg("+experiment=tiny", "data.limit=12", "extract.aux_layers=[0,2,5]", "train.max_steps=2",
                    run_dir=tmp_path)

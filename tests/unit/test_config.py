@@ -31,5 +31,13 @@ def test_typos_and_wrong_types_fail_at_composition(make_cfg):
         make_cfg("stage=finetune")
 
 
+@pytest.mark.parametrize("override", ["train.resume=atuo", "train.resume=Auto", "train.wandb.mode=of"])
+def test_closed_knobs_refuse_a_typo_at_composition(make_cfg, override):
+    """train.resume=atuo once fell through to `never` and deleted every checkpoint (issue #12, B1)."""
+    with pytest.raises(ConfigCompositionException):
+        make_cfg(override)
+    assert make_cfg("train.resume=never").train.resume.value == "never"
+
+
 def test_run_dir_is_stable_and_named_after_the_inputs(make_cfg):
     assert make_cfg().run_dir == "runs/smollm2-135m-instruct-chitchat"
