@@ -128,3 +128,13 @@ def test_unreachable_endpoint_is_one_clear_error(exported_run, make_cfg):
     run_dir, _ = exported_run
     with pytest.raises(UserError, match="is the server running"):
         _online(make_cfg, run_dir, "eval.endpoint=http://127.0.0.1:9")
+
+
+def test_a_dead_baseline_keeps_the_speculative_half(exported_run, make_cfg, serve):
+    """On the H200 a baseline server that never came up once cost the measured speculative half (issue #10)."""
+    run_dir, _ = exported_run
+    (run_dir / "eval" / "online.json").unlink(missing_ok=True)
+    with pytest.raises(UserError, match="baseline: .*is the server running.*speculative half is saved"):
+        _online(make_cfg, run_dir, f"eval.endpoint={serve(SGLangLikeTestServer)}", "eval.baseline_endpoint=http://127.0.0.1:9")
+    report = json.loads((run_dir / "eval" / "online.json").read_text())
+    assert report["speculative"]["accept_length"] == pytest.approx(2.5) and "is the server running" in report["baseline_error"]
