@@ -2,6 +2,7 @@
 
 import json
 import logging
+import os
 import re
 import subprocess
 import sys
@@ -93,3 +94,16 @@ def test_multirun_sweeps_into_separate_run_dirs(tmp_path, cache_dir):
     assert r.returncode == 0, r.stderr[-2000:]
     for n in (2, 3):
         assert json.loads((tmp_path / f"limit{n}" / "prepared" / "stats.json").read_text())["samples"] == n
+
+
+@pytest.mark.parametrize("tool", ["serve", "verify"])
+def test_tools_write_nothing_into_a_run_dir(exported_run, cache_dir, tool):
+    """`verify`/`serve` without run_dir= once wrote .hydra/ and a log into the DEFAULT run dir (issue #12, B2),
+    over a real run's recorded config."""
+    run_dir, _ = exported_run
+    name = f"probe-tool-{tool}-{os.getpid()}"
+    before = sorted(p.relative_to(run_dir) for p in run_dir.rglob("*"))
+    r = cli(f"stage={tool}", f"run_name={name}", f"export_dir={run_dir}/export/sglang", "engine=sglang", cache_dir=cache_dir)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert not (ROOT / "runs" / name).exists() and not (ROOT / ".hydra").exists()
+    assert sorted(p.relative_to(run_dir) for p in run_dir.rglob("*")) == before
