@@ -31,13 +31,35 @@ def parse_launch(line: str) -> dict:
                 val, i = argv[i + 1], i + 1
             opts[key.replace("_", "-")] = val
         i += 1
-    if "sglang" in line:
+    engine = launched_engine(argv)
+    if engine == "sglang":
         return {"engine": "sglang", "algorithm": opts.get("speculative-algorithm"),
                 "draft": opts.get("speculative-draft-model-path")}
-    if "vllm" in line:
-        spec = json.loads(opts.get("speculative-config") or "{}")
+    if engine == "vllm":
+        try:
+            spec = json.loads(opts.get("speculative-config") or "{}")
+        except json.JSONDecodeError as e:
+            raise UserError(f"--speculative-config is not JSON ({e.msg} at char {e.pos}): "
+                            f"{opts.get('speculative-config')!r}") from None
         return {"engine": "vllm", "algorithm": spec.get("method"), "draft": spec.get("model")}
     raise UserError("launch line names neither sglang nor vllm")
+
+
+def launched_engine(argv: list[str]) -> str | None:
+    """The engine a launch line starts, read from the program (the words before its first --option), never
+    from paths among the arguments: a vLLM line whose draft path contains "sglang" is still vLLM."""
+    program = []
+    for a in argv:
+        if a.startswith("-") and a != "-m":
+            break
+        program.append(a)
+    for word in program:
+        name = word.rsplit("/", 1)[-1]
+        if name == "sglang" or name.startswith("sglang."):
+            return "sglang"
+        if name == "vllm" or name.startswith("vllm."):
+            return "vllm"
+    return None
 
 
 def read_server(url: str) -> dict:

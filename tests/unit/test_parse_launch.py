@@ -1,0 +1,32 @@
+"""doctor.parse_launch: which engine a launch line starts, with which algorithm and draft (issue #12 B6, B20)."""
+
+import pytest
+
+from pipeline.doctor import parse_launch
+from pipeline.errors import UserError
+
+
+@pytest.mark.parametrize("line,want", [
+    ("python -m sglang.launch_server --model-path /m --speculative-algorithm EAGLE3 --speculative-draft-model-path /d",
+     {"engine": "sglang", "algorithm": "EAGLE3", "draft": "/d"}),
+    ("CUDA_VISIBLE_DEVICES=0 python3 -m sglang.launch_server --model-path /m --speculative_algorithm=EAGLE "
+     "--speculative-draft-model-path=/d", {"engine": "sglang", "algorithm": "EAGLE", "draft": "/d"}),
+    ("""vllm serve /m --speculative-config '{"method": "eagle3", "model": "/d"}'""",
+     {"engine": "vllm", "algorithm": "eagle3", "draft": "/d"}),
+    # a vLLM line whose paths say "sglang" is still a vLLM line (it was read as SGLang and given SGLang's fix)
+    ("""vllm serve /models/sglang-target --speculative-config '{"method": "eagle3", "model": "runs/x/export/sglang"}'""",
+     {"engine": "vllm", "algorithm": "eagle3", "draft": "runs/x/export/sglang"}),
+    ("/opt/venv/bin/vllm serve /m", {"engine": "vllm", "algorithm": None, "draft": None}),
+])
+def test_the_engine_is_read_from_the_program_not_from_paths(line, want):
+    assert parse_launch(line) == want
+
+
+def test_a_non_json_speculative_config_is_one_clear_error():
+    with pytest.raises(UserError, match="--speculative-config is not JSON"):
+        parse_launch("vllm serve /m --speculative-config '{method: eagle3}'")
+
+
+def test_a_line_of_neither_engine_is_refused():
+    with pytest.raises(UserError, match="neither sglang nor vllm"):
+        parse_launch("python serve.py --model /runs/sglang/x")
