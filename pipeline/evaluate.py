@@ -127,7 +127,20 @@ def speculate(model, capture: Capture, dr: ExportedDraft, prompt: list[int], max
     return generated[:max_new], rounds
 
 
+def check(cfg) -> None:
+    """Every problem with the eval settings, before acceptance.json / online.json is replaced."""
+    e, problems = cfg.eval, []
+    for key in ("num_prompts", "max_new_tokens", "max_draft", "endpoint_concurrency"):
+        if e[key] < 1:
+            problems.append(f"eval.{key}={e[key]} must be >= 1")
+    if e.prompt_tokens < 2:
+        problems.append(f"eval.prompt_tokens={e.prompt_tokens} must be >= 2")
+    if problems:
+        raise UserError("; ".join(problems))
+
+
 def run(cfg) -> Path:
+    check(cfg)
     e = cfg.eval
     if e.endpoint:  # online: the server's own acceptance counters (pipeline/online_bench.py)
         from pipeline import online_bench

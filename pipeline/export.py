@@ -48,7 +48,21 @@ def is_complete(cfg) -> bool:
     return all((out_dir(cfg) / e / "export_manifest.json").is_file() for e in cfg.export.engines)
 
 
+def check(cfg) -> None:
+    """Every problem with the export settings, before an existing export is touched."""
+    problems = [f"export.engines: {e!r} is not one of {list(ENGINES)}" for e in cfg.export.engines if e not in ENGINES]
+    if not cfg.export.engines:
+        problems.append("export.engines is empty")
+    s = cfg.export.serve
+    for key in ("num_steps", "topk", "num_draft_tokens"):
+        if s[key] < 1:
+            problems.append(f"export.serve.{key}={s[key]} must be >= 1 (it goes into serve.sh)")
+    if problems:
+        raise UserError("; ".join(problems))
+
+
 def run(cfg) -> Path:
+    check(cfg)
     final = Path(cfg.run_dir) / "train" / "final"
     if not (final / "train_summary.json").is_file():
         raise UserError(f"no trained draft under {final}; run stage=train first")

@@ -16,6 +16,8 @@ import os
 import time
 from pathlib import Path
 
+from pipeline.errors import UserError
+
 
 log = logging.getLogger(__name__)
 
@@ -41,12 +43,27 @@ def selected(stage: str) -> list[str]:
     return ORDER if stage == "all" else [stage]
 
 
+def preflight(cfg, names: list[str]) -> None:
+    """Every selected stage's check(cfg), all before the first stage starts: `stage=all` with a bad eval or
+    export setting stops in a second, not after hours of extract and train; every problem in one line."""
+    problems = []
+    for name in names:
+        check = getattr(importlib.import_module(f"pipeline.{name}"), "check", None)
+        try:
+            check and check(cfg)
+        except UserError as e:
+            problems.append(f"{name}: {e}")
+    if problems:
+        raise UserError("; ".join(problems))
+
+
 def run_stages(cfg) -> None:
     stage = str(getattr(cfg.stage, "value", cfg.stage))
     if stage in TOOLS:
         importlib.import_module(f"pipeline.{stage}").run(cfg)
         return
     names = selected(stage)
+    preflight(cfg, names)
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     ran = set()

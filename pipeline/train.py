@@ -36,9 +36,14 @@ def out_dir(cfg) -> Path:
 
 def check(cfg) -> None:
     t, problems = cfg.train, []
-    for key in ("ttt_steps", "tokens_per_pack", "grad_accum", "epochs", "keep_last", "log_every_steps"):
+    for key in ("ttt_steps", "tokens_per_pack", "grad_accum", "epochs", "keep_last", "log_every_steps",
+                "val_every_steps", "save_every_steps"):
         if t[key] < 1:
             problems.append(f"train.{key}={t[key]} must be >= 1")
+    if t.max_steps is not None and t.max_steps < 1:
+        problems.append(f"train.max_steps={t.max_steps} must be >= 1 (or null: epochs x packs / grad_accum)")
+    if not t.lr > 0:
+        problems.append(f"train.lr={t.lr} must be > 0")
     if not 0 <= t.val_fraction < 1:
         problems.append(f"train.val_fraction={t.val_fraction} must be in [0, 1)")
     if problems:

@@ -1,0 +1,40 @@
+"""Each stage's check(cfg) refuses settings that used to run silently or crash late (issue #12), one line
+naming every bad key, before the stage touches anything."""
+
+import pytest
+
+from pipeline import evaluate, export, train
+from pipeline.errors import UserError
+
+
+@pytest.mark.parametrize("stage,overrides,message", [
+    (train, ["train.max_steps=0"], r"train.max_steps=0 must be >= 1"),  # B10: trained every step
+    (train, ["train.max_steps=-5"], r"train.max_steps=-5 must be >= 1"),  # blamed grad_accum
+    (train, ["train.save_every_steps=0", "train.val_every_steps=0"],
+     r"train.val_every_steps=0 must be >= 1; train.save_every_steps=0 must be >= 1"),  # B8: ZeroDivisionError
+    (train, ["train.lr=-1"], r"train.lr=-1.0 must be > 0"),  # B9: torch's ValueError
+    (evaluate, ["eval.max_draft=0"], r"eval.max_draft=0 must be >= 1"),  # B11: an empty tau table
+    (evaluate, ["eval.num_prompts=0"], r"eval.num_prompts=0 must be >= 1"),  # B12: evaluated 1 prompt
+    (export, ["export.serve.num_steps=0", "export.serve.topk=-1"],
+     r"export.serve.num_steps=0 must be >= 1.*; export.serve.topk=-1 must be >= 1"),  # B13: landed in serve.sh
+    (export, ["export.engines=[sglang,vlm]"], r"export.engines: 'vlm' is not one of \['sglang', 'vllm'\]"),
+])
+def test_bad_settings_are_refused_before_the_stage_works(make_cfg, stage, overrides, message):
+    with pytest.raises(UserError, match=message):
+        stage.check(make_cfg("+experiment=tiny", *overrides))
+
+
+@pytest.mark.parametrize("stage", [train, evaluate, export])
+def test_the_shipped_experiments_pass_their_checks(make_cfg, stage):
+    for experiment in ("tiny", "demo", "gpu_smollm2"):
+        stage.check(make_cfg(f"+experiment={experiment}"))
+
+
+def test_stage_all_reports_every_stage_problem_before_anything_runs(make_cfg, tmp_path):
+    from pipeline.stages import run_stages
+
+    cfg = make_cfg("+experiment=tiny", "train.lr=0", "eval.max_draft=0", "export.serve.topk=0", run_dir=tmp_path / "r")
+    with pytest.raises(UserError) as e:
+        run_stages(cfg)
+    assert all(s in str(e.value) for s in ("train: train.lr=0", "export: export.serve.topk=0", "evaluate: eval.max_draft=0"))
+    assert not (tmp_path / "r").exists()  # nothing was written: prepare never started
