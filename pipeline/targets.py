@@ -53,6 +53,9 @@ def resolve(target, cache_dir: str | Path) -> Path:
             raise UserError(f"target.path {gguf} does not exist (for source=smollm2_gguf it names the .gguf file)")
         return _build_once(cache / f"smollm2-135m-instruct-bf16-{_sha256(gguf)[:12]}", lambda d: _convert_gguf(gguf, d))
     if source == "tiny":
+        if target.path:  # it was silently ignored: the user meant another target (issue #12, B14)
+            raise UserError(f"target.path={target.path} with target.source=tiny: the tiny target is built locally "
+                            "and takes no path; for your own model use target.source=path (e.g. target=llama3_8b)")
         key = hashlib.sha256(json.dumps(TINY_SPEC, sort_keys=True).encode()).hexdigest()[:12]
         return _build_once(cache / f"tiny-llama-{key}", _build_tiny)
     raise UserError(f"unknown target.source {source!r}")

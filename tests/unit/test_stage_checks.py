@@ -38,3 +38,10 @@ def test_stage_all_reports_every_stage_problem_before_anything_runs(make_cfg, tm
         run_stages(cfg)
     assert all(s in str(e.value) for s in ("train: train.lr=0", "export: export.serve.topk=0", "evaluate: eval.max_draft=0"))
     assert not (tmp_path / "r").exists()  # nothing was written: prepare never started
+
+
+def test_a_path_given_to_the_tiny_target_is_refused_not_ignored(make_cfg, tmp_path):
+    from pipeline import targets
+
+    with pytest.raises(UserError, match="target.path=/nope with target.source=tiny"):
+        targets.resolve(make_cfg("target=tiny", "target.path=/nope").target, tmp_path)
