@@ -98,6 +98,7 @@ class Plan:
     epochs: list  # per epoch, this rank's packs
     val_packs: list
     total_steps: int
+    cut: dict  # samples longer than a pack: how many, and the tokens past the pack that are never trained on
 
 
 @dataclass
@@ -130,7 +131,7 @@ def run(cfg) -> Path:
     _loop(cfg, s, plan, progress)
     final_val = _validate(s.accelerator, s.model, cfg, plan.val_packs, s.fwd)
     _log(s.accelerator, s.root / "metrics.jsonl", {"split": "val", **final_val}, progress.step)
-    _finish(s.accelerator, s.model, cfg, s.root, progress.step, final_val, s.upstream, plan.val_idx)
+    _finish(s.accelerator, s.model, cfg, s.root, progress.step, final_val, s.upstream, plan)
     s.accelerator.end_training()
     return s.root
 
@@ -147,7 +148,16 @@ def _plan(cfg, store: fs.FeatureStore, rank: int, world: int) -> Plan:
         raise UserError(f"no optimizer step fits: {len(train_idx)} training samples make {len(epochs[0])} packs "
                         f"per rank, fewer than train.grad_accum={t.grad_accum}; lower tokens_per_pack or add data")
     val_packs = shard_for_rank(plan_packs(val_idx, lengths, t.tokens_per_pack, cfg.seed, 0, shuffle=False), rank, world)
-    return Plan(list(train_idx), list(val_idx), epochs, val_packs, total_steps)
+    shifted = lengths[train_idx] - 1  # a pack holds shifted lengths (n - 1 predicted positions)
+    long = shifted > t.tokens_per_pack
+    cut = {"samples": int(long.sum()), "tokens": int((shifted[long] - t.tokens_per_pack).sum()),
+           "of_tokens": int(shifted.clip(min=0).sum())}
+    if cut["samples"] and rank == 0:
+        log.warning("train: %d of %d training samples are longer than train.tokens_per_pack=%d: their last %d "
+                    "positions (%.1f%% of all) are cut and never trained on; raise tokens_per_pack to keep them",
+                    cut["samples"], len(train_idx), t.tokens_per_pack, cut["tokens"],
+                    100 * cut["tokens"] / max(cut["of_tokens"], 1))
+    return Plan(list(train_idx), list(val_idx), epochs, val_packs, total_steps, cut)
 
 
 def _setup(cfg) -> tuple[Session, Plan]:
@@ -332,7 +342,7 @@ def _save(accelerator, root: Path, state: dict, keep_last: int) -> None:
     accelerator.wait_for_everyone()
 
 
-def _finish(accelerator, model, cfg, root: Path, step: int, final_val: dict, upstream: dict, val_idx: list) -> None:
+def _finish(accelerator, model, cfg, root: Path, step: int, final_val: dict, upstream: dict, plan: Plan) -> None:
     accelerator.wait_for_everyone()
     if not accelerator.is_main_process:
         return
@@ -342,7 +352,8 @@ def _finish(accelerator, model, cfg, root: Path, step: int, final_val: dict, ups
     first_val = next(r for r in rows if r["split"] == "val")
     summary = {"produced_by": f"eaglepipe {__version__}", "optimizer_steps": step, "upstream": upstream,
                "val_before": first_val, "val_after": final_val,
-               "val_samples": [int(i) for i in val_idx],  # held out by sample; evaluate prompts from these
+               "val_samples": [int(i) for i in plan.val_idx],  # held out by sample; evaluate prompts from these
+               "cut_by_tokens_per_pack": plan.cut,
                "config": OmegaConf.to_container(cfg, resolve=True)}
     (final / "train_summary.json").write_text(json.dumps(summary, indent=1, default=str))
     _plot(rows, root / "plots", cfg.train.ttt_steps)

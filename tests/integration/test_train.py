@@ -142,3 +142,23 @@ def test_packs_respect_the_token_budget_and_cover_each_sample_once():
     assert flat == [0, 1, 2, 3, 5, 6]  # the 1-token sample has no next token to predict
     assert all(sum(min(lengths[i] - 1, 400) for i in p) <= 400 for p in packs)
     assert packs != plan_packs(np.arange(7), lengths, 400, seed=0, epoch=1) or len(packs) == 1
+
+
+def test_samples_longer_than_a_pack_are_counted_not_cut_silently(make_cfg, tmp_path, caplog):
+    """tokens_per_pack=512 with samples up to 2,048 tokens once cut each sample to its first 512 tokens with
+    nothing in the log (issue #12, B7)."""
+    import logging
+
+    from pipeline.formats.feature_store import FeatureStore as Store
+
+    caplog.set_level(logging.WARNING)
+    for stage in ("prepare", "extract", "vocab", "train"):
+        run_stages(make_cfg("+experiment=tiny", "data.limit=16", "train.max_steps=2", "train.tokens_per_pack=128",
+                            f"stage={stage}", run_dir=tmp_path))
+    summary = json.loads((tmp_path / "train" / "final" / "train_summary.json").read_text())
+    cut = summary["cut_by_tokens_per_pack"]
+    lengths = Store(tmp_path / "features").sample_lengths()
+    train_idx = [i for i in range(len(lengths)) if i not in set(summary["val_samples"])]
+    want = sum(max(int(lengths[i]) - 1 - 128, 0) for i in train_idx)
+    assert cut["tokens"] == want > 0 and cut["samples"] == sum(int(lengths[i]) - 1 > 128 for i in train_idx)
+    assert f"longer than train.tokens_per_pack=128: their last {want} positions" in caplog.text
