@@ -33,7 +33,6 @@ from pipeline.formats import prepared
 log = logging.getLogger(__name__)
 
 
-
 def out_dir(cfg) -> Path:
     return Path(cfg.run_dir) / "features"
 

@@ -110,17 +110,18 @@ def run(cfg, prompts: list[list[int]], out: Path) -> Path:
     if spec["accept_length"] is None:
         log.warning("online: %s reported no speculative verify passes: is it serving the draft with EAGLE3?", e.endpoint)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "online.json").write_text(json.dumps(report, indent=1))  # the speculative half survives a dead baseline
+    path = out / "online.json"
+    path.write_text(json.dumps(report, indent=1))  # the speculative half survives a dead baseline
     if e.baseline_endpoint:
         try:
             base = bench(e.baseline_endpoint, prompts, e.max_new_tokens, e.endpoint_concurrency, e.endpoint_timeout_s)
+            report["baseline"] = base
+            report["speedup"] = spec["tokens_per_s"] / base["tokens_per_s"] if base["tokens_per_s"] else None
         except UserError as err:
             report["baseline_error"] = str(err)
-            (out / "online.json").write_text(json.dumps(report, indent=1))
-            raise UserError(f"baseline: {err} (the speculative half is saved in {out / 'online.json'})") from None
-        report["baseline"] = base
-        report["speedup"] = spec["tokens_per_s"] / base["tokens_per_s"] if base["tokens_per_s"] else None
-        (out / "online.json").write_text(json.dumps(report, indent=1))
+            raise UserError(f"baseline: {err} (the speculative half is saved in {path})") from None
+        finally:
+            path.write_text(json.dumps(report, indent=1))
     log.info("online (%s at %s): %d requests, %d tokens, %.1f tokens/s, accept length %s%s", spec["engine"],
              e.endpoint, spec["requests"], spec["completion_tokens"], spec["tokens_per_s"],
              f"{spec['accept_length']:.3f}" if spec["accept_length"] else "n/a",

@@ -49,8 +49,10 @@ def preflight(cfg, names: list[str]) -> None:
     problems = []
     for name in names:
         check = getattr(importlib.import_module(f"pipeline.{name}"), "check", None)
+        if check is None:
+            continue
         try:
-            check and check(cfg)
+            check(cfg)
         except UserError as e:
             problems.append(f"{name}: {e}")
     if problems:
@@ -84,4 +86,4 @@ def run_stages(cfg) -> None:
         ran.add(name)
     if stage == "all" and int(os.environ.get("RANK", "0")) == 0:  # one summary under accelerate/torchrun
         from pipeline import summary
-        summary.report(run_dir, ran)
+        summary.report(run_dir, ORDER, ran)

@@ -10,9 +10,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-ORDER = ["prepare", "extract", "vocab", "train", "export", "evaluate"]
-
-
 def _read(path: Path) -> dict | None:
     try:
         return json.loads(path.read_text())
@@ -70,12 +67,12 @@ def files_to_open(run_dir: Path) -> list[str]:
     return [str(r / w) for w in wanted if (r / w).exists()]
 
 
-def rows(run_dir: Path, ran: set[str]) -> list[tuple[str, str, str]]:
-    """(stage, time, figure) for every stage in order; `ran` = the stages this invocation ran."""
+def rows(run_dir: Path, order: list[str], ran: set[str]) -> list[tuple[str, str, str]]:
+    """(stage, time, figure) for every stage in the runner's `order`; `ran` = the stages this invocation ran."""
     records = _read(Path(run_dir) / "stages.json") or {}
     figs = figures(run_dir)
     out = []
-    for name in ORDER:
+    for name in order:
         rec = records.get(name)
         if rec is None and name not in figs:
             out.append((name, "-", "not run"))
@@ -92,13 +89,13 @@ def markdown(run_dir: Path, table: list[tuple[str, str, str]], files: list[str])
     return "\n".join(lines) + "\n"
 
 
-def report(run_dir: Path, ran: set[str]) -> Path:
+def report(run_dir: Path, order: list[str], ran: set[str]) -> Path:
     """Print the summary table (rich) and write run_dir/summary.md; returns its path."""
     from rich.console import Console
     from rich.table import Table
 
     run_dir = Path(run_dir)
-    table, files = rows(run_dir, ran), files_to_open(run_dir)
+    table, files = rows(run_dir, order, ran), files_to_open(run_dir)
     path = run_dir / "summary.md"
     path.write_text(markdown(run_dir, table, files))
     t = Table(title=f"eaglepipe: {run_dir}", show_lines=False)

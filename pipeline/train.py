@@ -12,7 +12,7 @@ import json
 import logging
 import time
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -113,7 +113,6 @@ class Session:
     store: fs.FeatureStore
     root: Path
     upstream: dict  # what the weights depend on; a checkpoint of other upstream is refused
-    last_metrics: dict = field(default_factory=dict)  # the latest micro-batch's metric sums (on the device)
 
 
 @dataclass
@@ -244,10 +243,10 @@ def _loop(cfg, s: Session, plan: Plan, p: Progress) -> None:
                                              pin_memory=acc.device.type == "cuda")
         s.model.train()
         for batch in loader:
-            _micro_step(t, s, batch)
+            metrics = _micro_step(t, s, batch)
             p.done_in_epoch += 1
             window_tokens += batch["input_ids"].numel()
-            for k, v in s.last_metrics.items():  # summed on the device; read back only when logging (no per-step sync)
+            for k, v in metrics.items():  # summed on the device; read back only when logging (no per-step sync)
                 window[k] = window[k] + v.detach()
             if not acc.sync_gradients:
                 continue
@@ -273,18 +272,20 @@ def _loop(cfg, s: Session, plan: Plan, p: Progress) -> None:
     bar.close()
 
 
-def _micro_step(t, s: Session, batch: dict) -> None:
-    """One micro-batch forward/backward; the optimizer steps when accelerate's accumulation window closes."""
+def _micro_step(t, s: Session, batch: dict) -> dict:
+    """One micro-batch forward/backward; the optimizer steps when accelerate's accumulation window closes.
+    Returns the draft's metric sums (tensors on the device)."""
     acc = s.accelerator
     batch = {k: v.to(acc.device, non_blocking=True) for k, v in batch.items()}
     with acc.accumulate(s.model):
-        _, loss, s.last_metrics = s.model(**_cast(batch, acc), **s.fwd)
+        _, loss, metrics = s.model(**_cast(batch, acc), **s.fwd)
         acc.backward(loss)
         if acc.sync_gradients and t.max_grad_norm:
             acc.clip_grad_norm_(s.trainable, t.max_grad_norm)
         s.optimizer.step()
         s.scheduler.step()
         s.optimizer.zero_grad(set_to_none=True)
+    return metrics
 
 
 def _cast(batch: dict, accelerator) -> dict:
