@@ -110,6 +110,10 @@ class ExtractConfig:
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     dtype: str = "auto"  # auto = bf16 on GPU, fp32 on CPU
     attn_implementation: str = "sdpa"
+    # backend=sglang: SGLang's attention backend (null = SGLang's choice: fa3 on Hopper; "triton" where FA3
+    # is not installed, like the H200 bundle's 0.5.17)
+    sglang_attention_backend: Optional[str] = None
+    sglang_mem_fraction: float = 0.8  # backend=sglang: SGLang's mem_fraction_static (weights + KV pool)
     batch_tokens: int = 16384  # padded tokens per forward (length-bucketed)
     max_batch_size: int = 64
     shard_tokens: int = 262144  # a shard closes when the next sample would exceed this (host buffer size)

@@ -43,14 +43,15 @@ def backend(cfg) -> str:
 
 def check(cfg) -> None:
     if backend(cfg) == "sglang":
+        from pipeline.engines import sglang_capture as sc
+
         try:
             import sglang
         except ImportError:
-            raise UserError("extract.backend=sglang needs sglang==0.5.23 (and a CUDA GPU) in this Python; "
-                            "README, 'SGLang capture backend', has the GPU-box commands") from None
-        if sglang.__version__ != "0.5.23":
-            raise UserError(f"extract.backend=sglang was written against sglang 0.5.23, this Python has "
-                            f"{sglang.__version__}")
+            raise UserError(f"extract.backend=sglang needs sglang {sc.SUPPORTED[0]} .. {sc.SUPPORTED[1]} (and a "
+                            "CUDA GPU) in this Python; README, 'SGLang capture backend', has the GPU-box commands") from None
+        if problem := sc.version_problem(sglang.__version__):
+            raise UserError(problem)
     for key in ("batch_tokens", "shard_tokens", "chunk_tokens", "max_batch_size"):
         if cfg.extract[key] < 1:
             raise UserError(f"extract.{key}={cfg.extract[key]}: must be >= 1")
@@ -141,7 +142,7 @@ def run(cfg) -> Path:
     log.info("extract: %d samples, %d tokens, %d shards (%d already committed), aux layers %s, %s on %s",
              len(lengths), lengths.sum(), len(shards), len(shards) - len(todo), aux, facts["compute_dtype"], device)
     if todo and backend(cfg) == "sglang":
-        capture, rank = _sglang_capture(folder, aux, model_cfg)
+        capture, rank = _sglang_capture(folder, aux, model_cfg, cfg.extract)
         _extract_shards(cfg, ds, todo, capture, facts, manifest, "cuda", model_cfg.hidden_size, len(aux),
                         write=rank == 0)
         capture.remove()
@@ -171,7 +172,7 @@ def _open_store(cfg, facts: dict) -> dict:
     raise UserError("rank 0 did not open the feature store within 600 s")
 
 
-def _sglang_capture(folder: Path, aux: list[int], model_cfg):
+def _sglang_capture(folder: Path, aux: list[int], model_cfg, ex):
     """SGLang's ModelRunner on this rank (torchrun: one process per tensor-parallel rank; pipeline/engines/
     sglang_capture.py). Returns (capture, rank)."""
     import os
@@ -183,7 +184,8 @@ def _sglang_capture(folder: Path, aux: list[int], model_cfg):
         sc.target_class(model_cfg.architectures[0])
     except sc.CaptureUnsupported as e:
         raise UserError(str(e)) from None
-    runner = sc.build_runner(str(folder), rank, world, int(os.environ.get("EAGLEPIPE_NCCL_PORT", 29517)))
+    runner = sc.build_runner(str(folder), rank, world, int(os.environ.get("EAGLEPIPE_NCCL_PORT", 29517)),
+                             ex.sglang_mem_fraction, ex.sglang_attention_backend)
     return sc.SGLangCapture(runner, aux), rank
 
 

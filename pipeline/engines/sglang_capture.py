@@ -1,6 +1,7 @@
 """`extract.backend=sglang`: the target's hidden states captured inside SGLang's own ModelRunner.
 
-Runs in a Python that has sglang==0.5.23 (a GPU box; CI's .venv-engines for the contract tests). The feature
+Runs in a Python that has sglang 0.5.17 .. 0.5.23 (a GPU box; CI's .venv-engines has 0.5.23 for the contract
+tests, and they also pass against 0.5.17's source: docs/conventions.md, "SGLang 0.5.17 vs 0.5.23"). The feature
 store, sharding, resume and sample order are extract.py's; this module only turns a padded batch of token
 ids into (aux, last) tensors, like extract.Capture does for HF:
 - aux: SGLang's own capture. `set_eagle3_layers_to_capture(ids)` (sglang/srt/models/llama.py) sets
@@ -31,7 +32,18 @@ import torch
 
 from pipeline.formats import export_layouts as lay
 
-SGLANG_VERSION = "0.5.23"
+SGLANG_VERSION = "0.5.23"  # the release CI's contract tests import
+SUPPORTED = ("0.5.17", "0.5.23")  # oldest .. newest release this module ran against (0.5.17: the H200 bundle)
+
+
+def version_problem(version: str) -> str | None:
+    """None if this SGLang release is one the capture code was written and run against, else why not."""
+    from packaging.version import Version
+
+    if not Version(SUPPORTED[0]) <= Version(version) <= Version(SUPPORTED[1]):
+        return (f"extract.backend=sglang supports sglang {SUPPORTED[0]} .. {SUPPORTED[1]}, this Python has "
+                f"{version}")
+    return None
 
 
 class CaptureUnsupported(Exception):
@@ -45,7 +57,7 @@ def capturing_classes() -> list[str]:
     folder = Path(list(importlib.util.find_spec("sglang.srt.models").submodule_search_locations)[0])
     found = set()
     for path in sorted(folder.glob("*.py")):
-        tree = ast.parse(path.read_text())
+        tree = ast.parse(path.read_text(encoding="utf-8-sig"))  # 0.5.17 has files with a BOM
         for node in tree.body:
             if isinstance(node, ast.ClassDef) and any(
                     isinstance(f, ast.FunctionDef) and f.name == "set_eagle3_layers_to_capture" for f in node.body):
@@ -60,20 +72,29 @@ def target_class(architecture: str):
     cls, _ = ModelRegistry.resolve_model_cls([architecture])
     if not hasattr(cls, "set_eagle3_layers_to_capture"):
         raise CaptureUnsupported(
-            f"SGLang {SGLANG_VERSION}'s {cls.__name__} (architecture {architecture}) has no "
+            f"SGLang {_installed()}'s {cls.__name__} (architecture {architecture}) has no "
             f"set_eagle3_layers_to_capture, so it cannot capture aux hidden states; classes that define it: "
             f"{', '.join(capturing_classes())}. Use extract.backend=hf for this target.")
     return cls
 
 
-def server_args(target_dir: str, tp_size: int = 1, device: str = "cuda", mem_fraction_static: float = 0.8):
+def _installed() -> str:
+    import sglang
+
+    return sglang.__version__
+
+
+def server_args(target_dir: str, tp_size: int = 1, device: str = "cuda", mem_fraction_static: float = 0.8,
+                attention_backend: str | None = None):
     """ServerArgs for a capture-only target: no radix cache (every sample is a fresh extend), no CUDA graphs
-    (extend batches of varying shape), no tokenizer (we send token ids)."""
+    (extend batches of varying shape), no tokenizer (we send token ids). attention_backend None = SGLang's
+    choice (fa3 on Hopper: a box without FA3, like the H200 bundle, needs "triton")."""
     from sglang.srt.server_args import ServerArgs
 
+    extra = {"attention_backend": attention_backend} if attention_backend else {}
     return ServerArgs(model_path=target_dir, tp_size=tp_size, device=device, dtype="bfloat16",
                       skip_tokenizer_init=True, disable_radix_cache=True, disable_cuda_graph=True,
-                      mem_fraction_static=mem_fraction_static)
+                      mem_fraction_static=mem_fraction_static, **extra)
 
 
 def make_reqs(samples: list[list[int]], first_rid: int = 0) -> list:
@@ -87,7 +108,11 @@ def make_reqs(samples: list[list[int]], first_rid: int = 0) -> list:
         req = Req(rid=f"eaglepipe-{first_rid + j}", origin_input_text="", origin_input_ids=array("q", ids),
                   sampling_params=params, return_hidden_states=True)
         req.init_next_round_input(None)  # no prefix cache: the whole sample is this extend's input
-        req.extend_end = len(req.full_untruncated_fill_ids)  # non-chunked prefill, as schedule_policy sets it
+        n = len(req.full_untruncated_fill_ids)  # non-chunked prefill, as schedule_policy sets it:
+        if hasattr(req, "set_extend_range"):
+            req.set_extend_range(0, n)  # 0.5.17: extend_range = Range(prefix_len, end)
+        else:
+            req.extend_end = n  # 0.5.23
         reqs.append(req)
     return reqs
 
@@ -146,18 +171,34 @@ class SGLangCapture:
         self.hook.remove()
 
 
-def build_runner(target_dir: str, tp_rank: int, tp_size: int, nccl_port: int, mem_fraction_static: float = 0.8):
-    """SGLang's ModelRunner for the target on this rank's GPU (a torchrun rank = a TP rank). GPU only."""
+def publish(args, tp_rank: int = 0, tp_size: int = 1) -> dict:
+    """Install SGLang's process-wide config as its scheduler does for this rank. Returns the ModelRunner
+    arguments that differ between releases: 0.5.23 publishes the ranks with the args (runtime_context.
+    SpawnRanks); 0.5.17 publishes the args alone and hands the runner a ParallelState."""
     from sglang.srt import runtime_context as rc
+
+    if hasattr(rc, "SpawnRanks"):
+        rc.publish(args, role="scheduler", ranks=rc.SpawnRanks(world_rank=tp_rank, gpu_id=tp_rank))
+        return {}
+    from sglang.srt.distributed.parallel_state_wrapper import ParallelState
+
+    rc.publish(args, role="scheduler")
+    return {"ps": ParallelState.trivial(tp_rank=tp_rank, tp_size=tp_size, attn_tp_rank=tp_rank,
+                                        attn_tp_size=tp_size, gpu_id=tp_rank)}
+
+
+def build_runner(target_dir: str, tp_rank: int, tp_size: int, nccl_port: int, mem_fraction_static: float = 0.8,
+                 attention_backend: str | None = None):
+    """SGLang's ModelRunner for the target on this rank's GPU (a torchrun rank = a TP rank). GPU only."""
     from sglang.srt.configs.model_config import ModelConfig
     from sglang.srt.model_executor.model_runner import ModelRunner
 
-    args = server_args(target_dir, tp_size, "cuda", mem_fraction_static)
-    rc.publish(args, role="scheduler", ranks=rc.SpawnRanks(world_rank=tp_rank, gpu_id=tp_rank))
+    args = server_args(target_dir, tp_size, "cuda", mem_fraction_static, attention_backend)
+    per_release = publish(args, tp_rank, tp_size)
     config = ModelConfig.from_server_args(args)
     target_class(config.hf_config.architectures[0])
     return ModelRunner(model_config=config, mem_fraction_static=mem_fraction_static, gpu_id=tp_rank,
-                       nccl_port=nccl_port, server_args=args)
+                       nccl_port=nccl_port, server_args=args, **per_release)
 
 
 def disabled_prefix_cache(req_to_token_pool, token_to_kv_pool_allocator):
@@ -208,14 +249,13 @@ def forward_capture(runner, reqs: list, hook: LastStateHook, tree_cache):
 def build_target_on_meta(target_dir: str):
     """The target's SGLang class built on the meta device in a single-process gloo world (contract tests and
     `eaglepipe verify`-style checks on CPU; no weights, no kernels)."""
-    from sglang.srt import runtime_context as rc
     from sglang.srt.configs.model_config import ModelConfig
     from sglang.srt.distributed import parallel_state as ps
 
     from pipeline.engines.loader_audit import single_process_world
 
     args = server_args(target_dir, 1, "cpu")
-    rc.publish(args, role="scheduler", ranks=rc.SpawnRanks(world_rank=0))
+    publish(args)
     single_process_world(ps)
     config = ModelConfig.from_server_args(args)
     cls = target_class(config.hf_config.architectures[0])

@@ -37,7 +37,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
-SPEC_PORT, BASE_PORT = 30000, 30001
+SPEC_PORT, BASE_PORT, GRAPH_PORT = 30000, 30001, 30002
 MUTATIONS = ["prefix_keys", "pre_rename_keys", "no_aux_ids", "absolute_d2t", "zero_fc", "single_layer_fc"]
 NOTEWORTHY = re.compile(r"error|warn|exception|traceback|missing|unexpected|not found|skip|ignor|weight|"
                         r"aux|eagle|hot_token|d2t|draft|shape|mismatch|nan|assert", re.I)
@@ -246,6 +246,10 @@ def main() -> None:
     ap.add_argument("--cuda-graph", action="store_true", help="leave CUDA graphs on (speculative servers)")
     ap.add_argument("--no-engine-check", action="store_true")
     ap.add_argument("--mem", default="0.5", help="--mem-fraction-static of speculative servers")
+    ap.add_argument("--base-mem", default="0.2", help="--mem-fraction-static of the no-speculation server")
+    ap.add_argument("--target", default=None, help="target HF folder (default: the store manifest's)")
+    ap.add_argument("--served-name", default="smollm2-135m-instruct",
+                    help="the baseline's model name (prepare.regenerate_endpoint sends the target's name)")
     a = ap.parse_args()
     t_start = time.time()
     work = Path(a.work)
@@ -255,18 +259,6 @@ def main() -> None:
     ov = shlex.split(a.overrides) + [f"run_dir={run_dir}"]
     prompts_file = work / "prompts.json"
     store_manifest = run_dir / "features" / "manifest.json"
-    if not prompts_file.exists() and store_manifest.exists():
-        from hydra import compose, initialize_config_dir
-        from pipeline.config import register
-        from pipeline.evaluate import heldout_prompts
-        from pipeline.formats import feature_store as fs
-
-        register()
-        with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-            cfg = compose("config", overrides=ov)
-        store = fs.FeatureStore(run_dir / "features")
-        prompts_file.write_text(json.dumps({"max_new_tokens": cfg.eval.max_new_tokens, "prompts": heldout_prompts(
-            cfg, store, cfg.eval.num_prompts, cfg.eval.prompt_tokens)}))
     spec_url, base_url = f"http://127.0.0.1:{SPEC_PORT}", f"http://127.0.0.1:{BASE_PORT}"
 
     for case in a.cases:
@@ -285,14 +277,22 @@ def main() -> None:
         if left < a.case_s:
             print(f"{case}: not started, {left:.0f} s of the budget left", flush=True)
             continue
-        P = json.loads(prompts_file.read_text())
+        if not prompts_file.exists() and store_manifest.exists():
+            write_prompts(prompts_file, ov, run_dir)
+        P = json.loads(prompts_file.read_text()) if prompts_file.exists() else {"prompts": [], "max_new_tokens": 0}
         prompts, max_new = P["prompts"], P["max_new_tokens"]
         rec: dict = {"case": case, "at": time.strftime("%Y-%m-%dT%H:%M:%S")}
         log = work / f"{case}.log"
-        target = json.loads(store_manifest.read_text())["facts"]["target_path"]
+        target = a.target or json.loads(store_manifest.read_text())["facts"]["target_path"]
+        if case == "baseline_generate":  # the baseline came up before the store existed (it regenerated the data)
+            rec = json.loads((work / "baseline.json").read_text())
+            rec["generate"] = generate(base_url, prompts, max_new)
+            (work / "baseline.json").write_text(json.dumps(rec, indent=1))
+            out.write_text(json.dumps({"case": case, "at": time.strftime("%Y-%m-%dT%H:%M:%S")}))
+            continue
         if case == "baseline":
             line = (f"python -m sglang.launch_server --model-path {target} --dtype bfloat16 --attention-backend triton "
-                    f"--port {BASE_PORT} --mem-fraction-static 0.2")
+                    f"--port {BASE_PORT} --mem-fraction-static {a.base_mem} --served-model-name {a.served_name}")
             if not a.cuda_graph:  # like for like with the speculative servers, which cannot capture graphs here
                 line += " --disable-cuda-graph"
             # 2026-12-01: with CUDA graphs on and training beside it, this server was still capturing at 150 s
@@ -301,11 +301,22 @@ def main() -> None:
             rec["server"] = info
             if info["started"]:
                 (work / "baseline.pgid").write_text(str(info["pgid"]))
-                rec["generate"] = generate(base_url, prompts, max_new)
+                if prompts:
+                    rec["generate"] = generate(base_url, prompts, max_new)
                 rec["server_info_version"] = _server_version(base_url)
             else:
                 stop_server(info["pgid"], proc)
             rec["log_lines"] = log_lines(log)
+            out.write_text(json.dumps(rec, indent=1))
+            _gather(work)
+            continue
+        if case == "baseline_cg":
+            rec.update(graph_baseline(target, prompts, max_new, log, left))
+            out.write_text(json.dumps(rec, indent=1))
+            _gather(work)
+            continue
+        if case == "margins":
+            rec.update(margins(base_url, prompts, work))
             out.write_text(json.dumps(rec, indent=1))
             _gather(work)
             continue
@@ -372,6 +383,96 @@ def main() -> None:
         print(f"{case}: started={info['started']} in {info['start_s']} s, accept length "
               f"{(rec.get('generate') or {}).get('accept_length')}", flush=True)
     _gather(work)
+
+
+def write_prompts(prompts_file: Path, ov: list[str], run_dir: Path) -> None:
+    """The held-out eval prompts (token ids) of the run, as the evaluate stage picks them."""
+    from hydra import compose, initialize_config_dir
+
+    from pipeline.config import register
+    from pipeline.evaluate import heldout_prompts
+    from pipeline.formats import feature_store as fs
+
+    register()
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose("config", overrides=ov)
+    store = fs.FeatureStore(run_dir / "features")
+    prompts_file.write_text(json.dumps({"max_new_tokens": cfg.eval.max_new_tokens, "prompts": heldout_prompts(
+        cfg, store, cfg.eval.num_prompts, cfg.eval.prompt_tokens)}))
+
+
+def graph_baseline(target: str, prompts, max_new: int, log: Path, left: float) -> dict:
+    """The no-speculation server with CUDA graphs ON (SGLang's default), output tokens/s at concurrency 1 and 8."""
+    line = (f"python -m sglang.launch_server --model-path {target} --dtype bfloat16 --attention-backend triton "
+            f"--port {GRAPH_PORT} --mem-fraction-static 0.3")
+    info = start_server(line, log, GRAPH_PORT, max(60, min(420, left - 60)))
+    proc = info.pop("proc")
+    rec: dict = {"server": info}
+    if info["started"]:
+        url = f"http://127.0.0.1:{GRAPH_PORT}"
+        generate(url, prompts[:4], max_new, 4)  # warm-up
+        for conc in (1, 8):
+            g = generate(url, prompts, max_new, conc)
+            g.pop("outputs", None)
+            g["tokens_per_s"] = g["completion_tokens"] / g["wall_s"] if g.get("wall_s") else None
+            rec[f"generate_c{conc}"] = g
+        rec["server_info_version"] = _server_version(url)
+    else:
+        rec["log_tail"] = log.read_text(errors="replace").splitlines()[-40:] if log.exists() else []
+    rec["log_lines"] = log_lines(log)
+    stop_server(info["pgid"], proc)
+    return rec
+
+
+def margins(base_url: str, prompts, work: Path) -> dict:
+    """Greedy equality, item 5: where the speculative server's greedy output first differs from the plain
+    server's, the plain server's own top-1 / top-2 log-prob margin there, beside the margins at every other
+    position of the same outputs (from one prefill over prompt + plain output, input_top_logprobs)."""
+    import httpx
+
+    good, base = work / "good.json", work / "baseline.json"
+    if not good.exists() or not base.exists():
+        return {"error": "needs good.json and baseline.json"}
+    plain = json.loads(base.read_text())["generate"]["outputs"]
+    spec = json.loads(good.read_text())["generate"]["outputs"]
+    cmp_ = compare(spec, plain)
+    rows, all_m, aligned, total = [], [], 0, 0
+    with httpx.Client(timeout=120) as client:
+        for i, (p, out) in enumerate(zip(prompts, plain)):
+            if not out:
+                continue
+            r = client.post(base_url + "/generate", json={
+                "input_ids": p + out, "sampling_params": {"max_new_tokens": 1, "temperature": 0.0},
+                "return_logprob": True, "logprob_start_len": len(p), "top_logprobs_num": 2})
+            top = r.json()["meta_info"]["input_top_logprobs"]  # entry k: the distribution that predicts out[k]
+            m = []
+            for k, tok in enumerate(out):
+                e = top[k] if k < len(top) else None
+                if not e or len(e) < 2:
+                    m.append(None)
+                    continue
+                total += 1
+                aligned += int(e[0][1] == tok)
+                m.append(float(e[0][0]) - float(e[1][0]))
+            all_m += [x for x in m if x is not None]
+            d = next((d for d in cmp_["differing"] if d["prompt"] == i), None)
+            if d is not None and d["first_diff"] < len(out):
+                pos = d["first_diff"]
+                e = top[pos] if pos < len(top) else None
+                rows.append({"prompt": i, "first_diff": pos, "plain_token": out[pos], "spec_token": spec[i][pos]
+                             if pos < len(spec[i]) else None, "margin": m[pos],
+                             "spec_token_is_plain_top2": bool(e and len(e) > 1 and spec[i][pos] == e[1][1])})
+    q = sorted(all_m)
+
+    def pct(x):
+        return q[min(len(q) - 1, int(x * len(q)))] if q else None
+    diff_m = [r["margin"] for r in rows if r["margin"] is not None]
+    return {"compared": cmp_["compared"], "equal": cmp_["equal"], "differing": rows,
+            "top1_is_plain_greedy_token": aligned / total if total else None,
+            "margins_all_positions": {"n": len(q), "p01": pct(0.01), "p05": pct(0.05), "p50": pct(0.5),
+                                      "share_below_0.05": sum(x < 0.05 for x in q) / len(q) if q else None},
+            "margins_at_first_diff": {"n": len(diff_m), "max": max(diff_m) if diff_m else None,
+                                      "median": sorted(diff_m)[len(diff_m) // 2] if diff_m else None}}
 
 
 def _server_version(url: str):

@@ -6,6 +6,11 @@
 #   bash scripts/bench/sglang_serving.sh wait FILE SECONDS  # until /tmp/sglserve/FILE exists (or the chain failed)
 #   bash scripts/bench/sglang_serving.sh serve BUDGET CASE...   # scripts/bench/sglang_serving.py, resumable
 #   bash scripts/bench/sglang_serving.sh collect            # results and logs into $OUT
+#   bash scripts/bench/sglang_serving.sh start-full         # issue #10's second plan (below), in its own session
+# `full`: a no-speculation server; prepare REGENERATES through it; parity hf vs sglang over the whole set;
+# extract.backend=sglang; SGLang's capture vs its own prefill; vocab; train (beside it: tests/gpu and the
+# same regeneration by local HF, for comparison); export; the export served (online vs baseline at
+# concurrency 1 and 8, doctor); greedy-equality margins; CUDA-graph baseline; single_layer_fc; offline tau.
 set -u
 W=/tmp/sglserve; R=/tmp/gpurun; mkdir -p $W
 A="+experiment=gpu_smollm2 target.path=/tmp/model/smol.gguf cache_dir=/tmp/epcache run_dir=$R \
@@ -21,6 +26,39 @@ case "$1" in
     for i in $(seq 1 180); do [ -f $W/good.json ] && break; sleep 5; done
     echo "=== evaluate (offline) $(date +%T)"; python3 -m pipeline $A stage=evaluate && touch $W/offline.done
     echo "=== chain done $(date +%T)";;
+  full)
+    SGL="/tmp/sgl-site:/tmp/site:$PWD"; H=/tmp/hfrun; SX="extract.sglang_attention_backend=triton extract.sglang_mem_fraction=0.45"
+    step() { echo "=== $1 $(date +%T)"; }
+    T=$(python3 -c "import sys; from hydra import compose, initialize_config_dir; from pipeline.config import register; from pipeline import targets
+register()
+with initialize_config_dir(config_dir='$PWD/conf', version_base='1.3'): c = compose('config', overrides='$A'.split())
+print(targets.resolve(c.target, c.cache_dir))" | tail -1); echo "target $T"
+    SV="python3 scripts/bench/sglang_serving.py --budget 3000 --target $T --base-mem 0.25"
+    step baseline; $SV baseline
+    step prepare-through-sglang; python3 -m pipeline $A stage=prepare prepare.regenerate_endpoint=http://127.0.0.1:30001 \
+      prepare.endpoint_concurrency=256 prepare.endpoint_timeout_s=600 || { echo "CHAIN FAILED at prepare"; touch $W/chain.failed; exit 1; }
+    touch $W/prepare.done
+    step parity; PYTHONPATH=$SGL python3 -m pipeline $A stage=parity extract.limit=500 $SX > $W/parity.log 2>&1; tail -8 $W/parity.log
+    step extract-sglang; PYTHONPATH=$SGL python3 -m pipeline $A stage=extract extract.backend=sglang $SX > $W/extract.log 2>&1 \
+      || { echo "extract sglang FAILED: hf instead"; tail -5 $W/extract.log; python3 -m pipeline $A stage=extract; }
+    grep -h "tokens written" $W/parity.log $W/extract.log
+    step capture-bench; PYTHONPATH=$SGL python3 scripts/bench/sglang_capture_throughput.py $R $T triton 0.45 > $W/capbench.log 2>&1; tail -4 $W/capbench.log
+    step vocab; python3 -m pipeline $A stage=vocab || { touch $W/chain.failed; exit 1; }
+    (python3 -m pipeline $A run_dir=$H stage=prepare > $W/hfregen.log 2>&1; touch $W/hfregen.done) &
+    (EAGLEPIPE_GPU_OVERRIDES="target.path=/tmp/model/smol.gguf $SX extract.sglang_mem_fraction=0.2" EAGLEPIPE_CACHE=/tmp/epcache \
+      PYTHONPATH=$SGL python3 -m pytest -m requires_sglang_gpu tests/gpu -q -p no:cacheprovider > $W/testsgpu.log 2>&1; touch $W/testsgpu.done) &
+    step train; python3 -m pipeline $A stage=train || { touch $W/chain.failed; exit 1; }
+    step export; python3 -m pipeline $A stage=export || { touch $W/chain.failed; exit 1; }
+    touch $W/export.done; tail -3 $W/testsgpu.log
+    step serve; $SV baseline_generate good margins stop-baseline baseline_cg
+    (python3 -m pipeline $A stage=evaluate > $W/offline.log 2>&1; touch $W/offline.done) &
+    $SV single_layer_fc
+    step hfregen-wait; for i in $(seq 1 60); do [ -f $W/hfregen.done ] && break; sleep 5; done
+    python3 scripts/bench/compare_prepared.py $R $H > $W/compare_prepared.json 2>$W/compare_prepared.err; cat $W/compare_prepared.json | head -30
+    for i in $(seq 1 80); do [ -f $W/offline.done ] && break; sleep 5; done
+    touch $W/full.done; step done;;
+  start-full)
+    setsid bash "$0" full > $W/chain.log 2>&1 < /dev/null & echo "full pgid $!"; echo $! > $W/chain.pgid;;
   start-chain)
     setsid bash "$0" chain > $W/chain.log 2>&1 < /dev/null & echo "chain pgid $!"; echo $! > $W/chain.pgid;;
   wait)
@@ -31,8 +69,9 @@ case "$1" in
   collect)
     [ -n "${OUT:-}" ] || exit 0
     cp $W/sglang_serving.json $OUT/ 2>/dev/null; cp $W/chain.log $OUT/ 2>/dev/null
-    cp $R/eval/acceptance.json $OUT/ 2>/dev/null
+    cp $R/eval/acceptance.json $R/bench_sglang_capture.json $R/parity/parity.json $W/compare_prepared.json $OUT/ 2>/dev/null
     tar czf $OUT/logs.tgz --ignore-failed-read $W/*.log $W/*.json $W/verify017* $R/stages.json $R/export/sglang/serve.sh \
-      $R/export/sglang/config.json $R/export/sglang/export_manifest.json $R/eval/*.json $R/summary.md 2>/dev/null
+      $R/export/sglang/config.json $R/export/sglang/export_manifest.json $R/eval/*.json $R/summary.md \
+      $R/prepared/stats.json /tmp/hfrun/stages.json /tmp/hfrun/prepared/stats.json $R/train/final/train_summary.json 2>/dev/null
     nvidia-smi --query-gpu=memory.used --format=csv > $OUT/gpu_mem.txt 2>&1; ls -la $OUT;;
 esac

@@ -26,7 +26,7 @@ def test_contract_suite_passes_inside_the_engines_venv(tiny_folder):
 
 
 def test_backend_sglang_without_sglang_is_one_clear_error(make_cfg, tmp_path):
-    with pytest.raises(UserError, match="extract.backend=sglang needs sglang==0.5.23"):
+    with pytest.raises(UserError, match=r"extract.backend=sglang needs sglang 0.5.17 \.\. 0.5.23"):
         run_stages(make_cfg("+experiment=tiny", "data.limit=4", "stage=extract", "extract.backend=sglang",
                             run_dir=tmp_path))
 
