@@ -79,10 +79,15 @@ def _endpoint_generator(p, target_name: str):
 
     def one(client: httpx.Client, messages: list[dict]) -> str:
         body = {"model": model, "messages": messages, "max_tokens": p.max_new_tokens, "temperature": p.temperature}
-        try:
-            r = client.post(url, json=body)
-        except httpx.HTTPError as e:
-            raise UserError(f"regenerate endpoint {url}: {type(e).__name__}: {e}; is the server running?") from None
+        for attempt in range(3):  # a transport error on one of many pooled connections is retried, twice
+            try:
+                r = client.post(url, json=body)
+                break
+            except httpx.TransportError as e:
+                if attempt == 2:
+                    raise UserError(f"regenerate endpoint {url}: {type(e).__name__}: {e}; is the server running?") from None
+            except httpx.HTTPError as e:
+                raise UserError(f"regenerate endpoint {url}: {type(e).__name__}: {e}; is the server running?") from None
         if r.status_code != 200:
             raise UserError(f"regenerate endpoint {url}: HTTP {r.status_code}: {r.text[:200]}")
         try:
@@ -91,7 +96,8 @@ def _endpoint_generator(p, target_name: str):
             raise UserError(f"regenerate endpoint {url}: not an OpenAI chat completion: {r.text[:200]}") from None
 
     def generate(prefixes: list[list[dict]], desc: str) -> list[str]:
-        with httpx.Client(timeout=p.endpoint_timeout_s) as client, \
+        limits = httpx.Limits(max_connections=p.endpoint_concurrency, max_keepalive_connections=p.endpoint_concurrency)
+        with httpx.Client(timeout=p.endpoint_timeout_s, limits=limits) as client, \
                 ThreadPoolExecutor(p.endpoint_concurrency) as pool:
             return list(tqdm(pool.map(lambda m: one(client, m), prefixes), total=len(prefixes), desc=desc))
 

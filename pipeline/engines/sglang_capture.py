@@ -197,8 +197,20 @@ def build_runner(target_dir: str, tp_rank: int, tp_size: int, nccl_port: int, me
     per_release = publish(args, tp_rank, tp_size)
     config = ModelConfig.from_server_args(args)
     target_class(config.hf_config.architectures[0])
-    return ModelRunner(model_config=config, mem_fraction_static=mem_fraction_static, gpu_id=tp_rank,
-                       nccl_port=nccl_port, server_args=args, **per_release)
+    runner = ModelRunner(model_config=config, mem_fraction_static=mem_fraction_static, gpu_id=tp_rank,
+                         nccl_port=nccl_port, server_args=args, **per_release)
+    finish_runner(runner)
+    return runner
+
+
+def finish_runner(runner) -> None:
+    """What SGLang's scheduler does after building the ModelRunner (managers/scheduler.py::init_model_worker,
+    0.5.17 and 0.5.23 alike): the constructor only loads the weights; the KV pools, the attention backends
+    and the phase runners (the eager one; every CUDA graph is off in server_args) come after."""
+    if runner.req_to_token_pool is None:
+        runner.alloc_memory_pool()
+    runner.init_attention_backends()
+    runner.init_cuda_graphs()
 
 
 def disabled_prefix_cache(req_to_token_pool, token_to_kv_pool_allocator):

@@ -10,7 +10,7 @@
 # `full`: a no-speculation server; prepare REGENERATES through it; parity hf vs sglang over the whole set;
 # extract.backend=sglang; SGLang's capture vs its own prefill; vocab; train (beside it: tests/gpu and the
 # same regeneration by local HF, for comparison); export; the export served (online vs baseline at
-# concurrency 1 and 8, doctor); greedy-equality margins; CUDA-graph baseline; single_layer_fc; offline tau.
+# concurrency 1 and 8, doctor); greedy-equality margins; CUDA-graph baseline; single_layer_fc.
 set -u
 W=/tmp/sglserve; R=/tmp/gpurun; mkdir -p $W
 A="+experiment=gpu_smollm2 target.path=/tmp/model/smol.gguf cache_dir=/tmp/epcache run_dir=$R \
@@ -40,22 +40,20 @@ print(targets.resolve(c.target, c.cache_dir))" | tail -1); echo "target $T"
     touch $W/prepare.done
     step parity; PYTHONPATH=$SGL python3 -m pipeline $A stage=parity extract.limit=500 $SX > $W/parity.log 2>&1; tail -8 $W/parity.log
     step extract-sglang; PYTHONPATH=$SGL python3 -m pipeline $A stage=extract extract.backend=sglang $SX > $W/extract.log 2>&1 \
-      || { echo "extract sglang FAILED: hf instead"; tail -5 $W/extract.log; python3 -m pipeline $A stage=extract; }
+      || { echo "extract sglang FAILED: hf instead"; tail -5 $W/extract.log; python3 -m pipeline $A stage=extract extract.overwrite=true; }
     grep -h "tokens written" $W/parity.log $W/extract.log
     step capture-bench; PYTHONPATH=$SGL python3 scripts/bench/sglang_capture_throughput.py $R $T triton 0.45 > $W/capbench.log 2>&1; tail -4 $W/capbench.log
     step vocab; python3 -m pipeline $A stage=vocab || { touch $W/chain.failed; exit 1; }
     (python3 -m pipeline $A run_dir=$H stage=prepare > $W/hfregen.log 2>&1; touch $W/hfregen.done) &
-    (EAGLEPIPE_GPU_OVERRIDES="target.path=/tmp/model/smol.gguf $SX extract.sglang_mem_fraction=0.2" EAGLEPIPE_CACHE=/tmp/epcache \
+    (EAGLEPIPE_GPU_OVERRIDES="target.path=/tmp/model/smol.gguf extract.sglang_attention_backend=triton extract.sglang_mem_fraction=0.2" EAGLEPIPE_CACHE=/tmp/epcache \
       PYTHONPATH=$SGL python3 -m pytest -m requires_sglang_gpu tests/gpu -q -p no:cacheprovider > $W/testsgpu.log 2>&1; touch $W/testsgpu.done) &
     step train; python3 -m pipeline $A stage=train || { touch $W/chain.failed; exit 1; }
     step export; python3 -m pipeline $A stage=export || { touch $W/chain.failed; exit 1; }
     touch $W/export.done; tail -3 $W/testsgpu.log
     step serve; $SV baseline_generate good margins stop-baseline baseline_cg
-    (python3 -m pipeline $A stage=evaluate > $W/offline.log 2>&1; touch $W/offline.done) &
     $SV single_layer_fc
     step hfregen-wait; for i in $(seq 1 60); do [ -f $W/hfregen.done ] && break; sleep 5; done
     python3 scripts/bench/compare_prepared.py $R $H > $W/compare_prepared.json 2>$W/compare_prepared.err; cat $W/compare_prepared.json | head -30
-    for i in $(seq 1 80); do [ -f $W/offline.done ] && break; sleep 5; done
     touch $W/full.done; step done;;
   start-full)
     setsid bash "$0" full > $W/chain.log 2>&1 < /dev/null & echo "full pgid $!"; echo $! > $W/chain.pgid;;
