@@ -199,8 +199,7 @@ def untrained_tensors(cfg, store, folder: Path) -> dict:
     d2t, t2d, _ = vocab_map.load(Path(cfg.run_dir) / "vocab")
     torch.manual_seed(cfg.seed)
     m = draft_lib.build(folder, targets.load_config(folder, cfg.target), store.aux_layer_ids, d2t, t2d, 1)
-    return {lay.speculators_to_sglang_name(k): v.detach() for k, v in m.state_dict().items()
-            if not k.startswith(("verifier_", "embed_tokens"))}
+    return {lay.speculators_to_sglang_name(k): v.detach() for k, v in lay.draft_owned(m.state_dict()).items()}
 
 
 def heldout_prompts(cfg, store, n: int, prompt_tokens: int) -> list[list[int]]:
