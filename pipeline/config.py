@@ -114,11 +114,14 @@ class ExtractConfig:
     # is not installed, like the H200 bundle's 0.5.17)
     sglang_attention_backend: Optional[str] = None
     sglang_mem_fraction: float = 0.8  # backend=sglang: SGLang's mem_fraction_static (weights + KV pool)
-    batch_tokens: int = 16384  # padded tokens per forward (length-bucketed)
+    # padded tokens per forward (length-bucketed); larger = faster on GPU, more memory; CPU wants ~4096
+    batch_tokens: int = 16384
     max_batch_size: int = 64
-    shard_tokens: int = 262144  # a shard closes when the next sample would exceed this (host buffer size)
+    # A shard closes when the next sample would exceed this: the host buffer per shard (x2 while the previous
+    # one compresses), 1.5 GB for SmolLM2, 15 GB for Kimi-K2.5.
+    shard_tokens: int = 262144
     chunk_tokens: int = 2048  # zarr chunk length along tokens
-    compressor: Compressor = Compressor.blosc_zstd
+    compressor: Compressor = Compressor.blosc_zstd  # bitshuffled zstd; `none` for the fastest writes
     clevel: int = 3
     limit: Optional[int] = None  # first N prepared samples; null = all
     overwrite: bool = False  # allow replacing features made from other inputs
@@ -126,7 +129,7 @@ class ExtractConfig:
 
 @dataclass
 class VocabConfig:
-    draft_vocab_size: int = 32000
+    draft_vocab_size: int = 32000  # Kimi-K2.5: 32K of 163,840. Fewer ids seen than this -> padded (warned)
 
 
 class WandbMode(str, Enum):
@@ -142,7 +145,7 @@ class Resume(str, Enum):
 
 @dataclass
 class WandbConfig:
-    mode: WandbMode = WandbMode.offline
+    mode: WandbMode = WandbMode.offline  # online with a WANDB_API_KEY; disabled on hosts without wandb
     project: str = "eaglepipe"
     name: Optional[str] = None  # null = run_name
 
@@ -152,7 +155,8 @@ class TrainConfig:
     ttt_steps: int = 3  # test-time-training unroll: draft positions trained per token
     ttt_step_loss_decay: float = 1.0
     loss: str = "kl_div"  # speculators loss spec (eager implementation)
-    tokens_per_pack: int = 4096  # tokens per micro-batch (packed samples, no cross-sample attention)
+    # tokens per micro-batch (packed samples, no cross-sample attention); x grad_accum x ranks = tokens per step
+    tokens_per_pack: int = 4096
     grad_accum: int = 1
     epochs: int = 1
     max_steps: Optional[int] = None  # null = epochs x packs / grad_accum
@@ -175,6 +179,7 @@ class TrainConfig:
 
 @dataclass
 class ServeConfig:
+    # written into serve.sh; tune per deployment
     num_steps: int = 3  # --speculative-num-steps (draft chain length)
     topk: int = 1  # --speculative-eagle-topk
     num_draft_tokens: int = 4  # --speculative-num-draft-tokens

@@ -14,6 +14,8 @@ from typing import Optional
 import torch
 from transformers import LlamaConfig
 
+from pipeline.formats import export_layouts as lay
+
 
 def layer_config(target_hf, attn: str, overrides: Optional[dict] = None) -> LlamaConfig:
     """The draft decoder layer's config, with the target's shapes."""
@@ -57,9 +59,8 @@ def build(target_folder: Optional[Path], target_hf, aux_ids: list[int], d2t: Opt
 
 
 def own_parameters(model) -> int:
-    """Parameters the draft trains and ships: all but the target's embedding and the frozen verifier head."""
-    shared = {"embed_tokens.weight", "verifier_lm_head.weight", "verifier_norm.weight"}
-    return sum(p.numel() for n, p in model.named_parameters() if n not in shared)
+    """Parameters the draft trains and ships: all but the target's (export_layouts.TARGET_OWNED)."""
+    return sum(p.numel() for p in lay.draft_owned(dict(model.named_parameters())).values())
 
 
 def build_on_meta(target, draft_vocab_size: int, aux_ids: list[int], ttt_steps: int = 3):

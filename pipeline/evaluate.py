@@ -25,7 +25,7 @@ from pipeline.engines.hf_capture import Capture
 from pipeline.features_dataset import split
 from pipeline.formats import export_layouts as lay
 from pipeline.formats import feature_store as fs
-from pipeline.fingerprint import digest
+from pipeline.fingerprint import digest, shaping
 
 log = logging.getLogger(__name__)
 
@@ -34,9 +34,17 @@ def out_dir(cfg) -> Path:
     return Path(cfg.run_dir) / "eval"
 
 
+# Knobs that cannot change evaluate's figures, left out of its fingerprint: a timeout only fails a run; the
+# offline bench reads no server knob, the online one neither the draft lengths nor the local device.
+NOT_SHAPING = ("endpoint_timeout_s",)
+OFFLINE_ONLY = ("max_draft", "device")
+ONLINE_ONLY = ("baseline_endpoint", "endpoint_concurrency")
+
+
 def fingerprint(cfg) -> str:
     m = Path(cfg.run_dir) / "export" / "sglang" / "export_manifest.json"
-    return digest({"export": m.read_text() if m.exists() else None, "eval": dict(cfg.eval)})
+    unread = OFFLINE_ONLY if cfg.eval.endpoint else ONLINE_ONLY
+    return digest({"export": m.read_text() if m.exists() else None, "eval": shaping(cfg.eval, NOT_SHAPING + unread)})
 
 
 def is_complete(cfg) -> bool:
@@ -199,8 +207,7 @@ def untrained_tensors(cfg, store, folder: Path) -> dict:
     d2t, t2d, _ = vocab_map.load(Path(cfg.run_dir) / "vocab")
     torch.manual_seed(cfg.seed)
     m = draft_lib.build(folder, targets.load_config(folder, cfg.target), store.aux_layer_ids, d2t, t2d, 1)
-    return {lay.speculators_to_sglang_name(k): v.detach() for k, v in m.state_dict().items()
-            if not k.startswith(("verifier_", "embed_tokens"))}
+    return {lay.speculators_to_sglang_name(k): v.detach() for k, v in lay.draft_owned(m.state_dict()).items()}
 
 
 def heldout_prompts(cfg, store, n: int, prompt_tokens: int) -> list[list[int]]:

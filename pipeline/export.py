@@ -27,7 +27,6 @@ from pipeline.fingerprint import digest
 
 log = logging.getLogger(__name__)
 ENGINES = ("sglang", "vllm")
-SKIP = {"embed_tokens.weight", "verifier_lm_head.weight", "verifier_norm.weight"}  # embedding: the target's
 
 
 def out_dir(cfg) -> Path:
@@ -75,7 +74,7 @@ def run(cfg) -> Path:
                         f"store {store.aux_layer_ids}; retrain")
     if not (torch.equal(weights["d2t"], d2t) and torch.equal(weights["t2d"], t2d)):
         raise UserError(f"the trained draft's d2t/t2d differ from {cfg.run_dir}/vocab; retrain")
-    tensors = {k: (v.to(torch.bfloat16) if v.is_floating_point() else v) for k, v in weights.items() if k not in SKIP}
+    tensors = {k: (v.to(torch.bfloat16) if v.is_floating_point() else v) for k, v in lay.draft_owned(weights).items()}
     provenance = {"produced_by": f"eaglepipe {__version__}", "run_dir": str(Path(cfg.run_dir).resolve()),
                   "target_path": store.facts["target_path"], "target_fingerprint": store.facts["target_fingerprint"],
                   "features_manifest_hash": store.manifest_hash(), "vocab_coverage": vman["coverage"],

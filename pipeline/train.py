@@ -25,9 +25,15 @@ from pipeline.errors import UserError
 from pipeline.features_dataset import PackDataset, plan_packs, shard_for_rank, split
 from pipeline.formats import checkpoint, vocab_map
 from pipeline.formats import feature_store as fs
-from pipeline.fingerprint import digest
+from pipeline.fingerprint import digest, shaping
 
 log = logging.getLogger(__name__)
+# Knobs that cannot change what train makes (final/'s weights, metrics.jsonl, plots/): how data is prefetched,
+# where metrics are mirrored, how a run gets to its end (resume is bit-identical) and which intermediate
+# checkpoints exist. Left out of the fingerprint, so changing one never reruns training.
+NOT_SHAPING = ("num_workers", "wandb", "resume", "keep_last", "save_every_steps")
+# A checkpoint may also be resumed under another logging/validation cadence or device (train_config_hash).
+RESUMABLE_ACROSS = NOT_SHAPING + ("log_every_steps", "val_every_steps", "device")
 
 
 def out_dir(cfg) -> Path:
@@ -53,7 +59,7 @@ def check(cfg) -> None:
 def fingerprint(cfg) -> str:
     vocab_manifest = Path(cfg.run_dir) / "vocab" / "manifest.json"
     return digest({"vocab": vocab_manifest.read_text() if vocab_manifest.exists() else None, "seed": cfg.seed,
-                   "train": OmegaConf.to_container(cfg.train, resolve=True)})
+                   "train": shaping(cfg.train, NOT_SHAPING)})
 
 
 def is_complete(cfg) -> bool:
@@ -183,11 +189,9 @@ def _setup(cfg) -> tuple[Session, Plan]:
                loss_config=resolve_loss_config(t.loss, "eager"))
     root = out_dir(cfg)
     root.mkdir(parents=True, exist_ok=True)
-    shaping = {k: v for k, v in OmegaConf.to_container(t, resolve=True).items()
-               if k not in ("log_every_steps", "val_every_steps", "save_every_steps", "keep_last", "resume",
-                            "num_workers", "wandb", "device")}
     upstream = {"features_manifest_hash": store.manifest_hash(), "vocab_coverage": vman["coverage"],
-                "target_fingerprint": store.facts["target_fingerprint"], "train_config_hash": digest(shaping)}
+                "target_fingerprint": store.facts["target_fingerprint"],
+                "train_config_hash": digest(shaping(t, RESUMABLE_ACROSS))}
     if accelerator.is_main_process:
         log.info("train: %d train / %d val samples, %d packs/epoch/rank of <= %d tokens, %d ranks, %d steps, "
                  "aux layers %s (from the feature store), draft vocab %d, %d trainable params",

@@ -26,6 +26,17 @@ SGLANG_VERSION = "0.5.23"
 VLLM_VERSION = "0.33.0"
 
 
+# The draft's parameters (speculators names) that are the target's, not the draft's: the embedding (every
+# engine takes the target's own) and the verifier lm_head/norm the training loss reads. Never trained, never
+# exported, never counted as the draft's; the one list export, draft and evaluate use.
+TARGET_OWNED = frozenset({"embed_tokens.weight", "verifier_lm_head.weight", "verifier_norm.weight"})
+
+
+def draft_owned(tensors: dict) -> dict:
+    """The draft's own tensors (what an export ships): all but TARGET_OWNED."""
+    return {k: v for k, v in tensors.items() if k not in TARGET_OWNED}
+
+
 def sglang_layer_ids(ours: list[int]) -> list[int]:
     return list(ours)
 

@@ -41,3 +41,36 @@ def test_the_check_sees_imports_at_any_depth(tmp_path):
     f.write_text("from pipeline import prepare\nimport pipeline.stages\ndef g():\n    from pipeline.extract import Capture\n")
     assert stage_imports(f, "evaluate") == ["pipeline.extract", "pipeline.extract.Capture", "pipeline.prepare",
                                             "pipeline.stages"]
+
+
+MAX_FUNCTION_LINES = 80  # issue #11: "no function in pipeline/ is longer than 80 lines"
+
+
+def long_functions(path: Path, limit: int = MAX_FUNCTION_LINES) -> list[str]:
+    """`file:line name (N lines)` for every function or method (nested ones too) whose def-to-last-line span
+    is over `limit` lines."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            lines = node.end_lineno - node.lineno + 1
+            if lines > limit:
+                found.append(f"{path.name}:{node.lineno} {node.name} ({lines} lines)")
+    return found
+
+
+def test_no_function_in_pipeline_is_longer_than_80_lines():
+    offenders = [f for path in sorted(PKG.rglob("*.py")) for f in long_functions(path)]
+    assert offenders == [], "split these: " + "; ".join(offenders)
+
+
+def test_the_length_check_counts_def_to_last_line_of_functions_and_methods_at_any_depth(tmp_path):
+    def body(n, indent):
+        return "".join(f"{indent}x{i} = {i}\n" for i in range(n))
+
+    f = tmp_path / "fake.py"
+    f.write_text("def fits():\n" + body(79, "    ")  # lines 1-80: 80 lines, allowed
+                 + "def over():\n" + body(80, "    ")  # lines 81-161: 81 lines
+                 + "class C:\n    def method(self):\n        def inner():\n" + body(80, " " * 12)
+                 + "        return inner\n")  # method: lines 163-245 (83), inner: 164-244 (81)
+    assert long_functions(f) == ["fake.py:81 over (81 lines)", "fake.py:163 method (83 lines)",
+                                 "fake.py:164 inner (81 lines)"]

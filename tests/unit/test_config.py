@@ -41,3 +41,46 @@ def test_closed_knobs_refuse_a_typo_at_composition(make_cfg, override):
 
 def test_run_dir_is_stable_and_named_after_the_inputs(make_cfg):
     assert make_cfg().run_dir == "runs/smollm2-135m-instruct-chitchat"
+
+
+GROUPS = sorted(p.name for p in CONF.iterdir() if p.is_dir() and p.name not in ("experiment", "hydra", "local"))
+
+
+def repeated_defaults(yaml_node: dict, schema: dict, prefix: str = "") -> list[str]:
+    """Keys of a YAML file whose value is the schema's own default (nested sections walked key by key)."""
+    found = []
+    for key, value in yaml_node.items():
+        if key == "defaults" and not prefix:
+            continue
+        default = schema.get(key)
+        if isinstance(value, dict) and isinstance(default, dict):
+            found += repeated_defaults(value, default, f"{prefix}{key}.")
+        elif key in schema and value == default:
+            found.append(f"{prefix}{key}: {value!r}")
+    return found
+
+
+def schema_of(group: str | None) -> dict:
+    from hydra.core.config_store import ConfigStore
+    from omegaconf import OmegaConf
+
+    name = f"{group}/base_{group}.yaml" if group else "base_config.yaml"
+    return OmegaConf.to_container(ConfigStore.instance().load(name).node, resolve=False, enum_to_str=True)
+
+
+@pytest.mark.parametrize("path", [CONF / "config.yaml"] + sorted(p for g in GROUPS for p in (CONF / g).glob("*.yaml")),
+                         ids=lambda p: str(p.relative_to(CONF)))
+def test_a_yaml_holds_only_what_differs_from_its_schema(path):
+    """A YAML value equal to the dataclass default is a second home for it: the two drift apart unnoticed."""
+    from omegaconf import OmegaConf
+
+    group = None if path.parent == CONF else path.parent.name
+    node = OmegaConf.to_container(OmegaConf.load(path), resolve=False)
+    assert repeated_defaults(node, schema_of(group)) == [], f"{path.relative_to(CONF)} repeats pipeline/config.py"
+
+
+def test_the_repeat_check_sees_nested_and_enum_defaults():
+    schema = schema_of("train")
+    assert repeated_defaults({"defaults": ["base_train"], "lr": 3.0e-4, "epochs": 2, "resume": "auto",
+                              "wandb": {"mode": "offline", "project": "mine"}}, schema) == \
+        ["lr: 0.0003", "resume: 'auto'", "wandb.mode: 'offline'"]

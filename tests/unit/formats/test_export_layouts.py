@@ -27,3 +27,9 @@ def test_tensor_table_reports_std_and_norm_not_mean():
     assert row["std"] > 0.9 and row["norm"] == 10.0 and not lay.is_dead(row)
     (dead,) = lay.tensor_table({"fc.weight": torch.zeros(4, 4)})
     assert lay.is_dead(dead)
+
+
+def test_draft_owned_leaves_out_exactly_the_target_owned_tensors():
+    tensors = {k: torch.zeros(1) for k in ("embed_tokens.weight", "verifier_lm_head.weight", "verifier_norm.weight",
+                                           "lm_head.weight", "fc.weight", "layers.0.mlp.up_proj.weight", "d2t")}
+    assert sorted(lay.draft_owned(tensors)) == ["d2t", "fc.weight", "layers.0.mlp.up_proj.weight", "lm_head.weight"]

@@ -1,0 +1,86 @@
+"""Fingerprints hash only what shapes a stage's artefact: a knob that cannot change the output (prefetch
+workers, wandb, a timeout, a server knob the offline bench never reads) leaves the stage up to date; one that
+can (lr, ttt_steps, the seed, the draft lengths) reruns it."""
+
+import json
+import sys
+
+import pytest
+
+from pipeline import evaluate, stages, train
+from pipeline.fingerprint import shaping
+
+
+def fp(module, make_cfg, run_dir, *overrides):
+    return module.fingerprint(make_cfg("+experiment=tiny", *overrides, run_dir=run_dir))
+
+
+@pytest.mark.parametrize("override", ["train.num_workers=4", "train.wandb.mode=disabled", "train.wandb.project=x",
+                                      "train.resume=never", "train.keep_last=9", "train.save_every_steps=7"])
+def test_train_knobs_that_cannot_change_the_draft_keep_its_fingerprint(make_cfg, tmp_path, override):
+    assert fp(train, make_cfg, tmp_path, override) == fp(train, make_cfg, tmp_path)
+
+
+@pytest.mark.parametrize("override", ["train.lr=1e-3", "train.ttt_steps=2", "seed=1", "train.max_steps=3",
+                                      "train.tokens_per_pack=128", "train.log_every_steps=3", "train.device=cpu"])
+def test_train_knobs_that_shape_the_draft_or_its_curves_change_its_fingerprint(make_cfg, tmp_path, override):
+    assert fp(train, make_cfg, tmp_path, override) != fp(train, make_cfg, tmp_path)
+
+
+def test_the_vocabulary_it_trains_on_is_in_trains_fingerprint(make_cfg, tmp_path):
+    before = fp(train, make_cfg, tmp_path)
+    (tmp_path / "vocab").mkdir()
+    (tmp_path / "vocab" / "manifest.json").write_text('{"coverage": 0.9}')
+    assert fp(train, make_cfg, tmp_path) != before
+
+
+@pytest.mark.parametrize("override,same", [
+    ("eval.endpoint_timeout_s=5", True), ("eval.endpoint_concurrency=4", True),
+    ("eval.baseline_endpoint=http://b:1", True),  # the offline bench talks to no server
+    ("eval.max_draft=2", False), ("eval.num_prompts=7", False), ("eval.max_new_tokens=9", False),
+    ("eval.device=cpu", False), ("eval.endpoint=http://s:1", False),
+])
+def test_offline_evaluate_hashes_what_the_offline_bench_reads(make_cfg, tmp_path, override, same):
+    assert (fp(evaluate, make_cfg, tmp_path, override) == fp(evaluate, make_cfg, tmp_path)) is same
+
+
+@pytest.mark.parametrize("override,same", [
+    ("eval.endpoint_timeout_s=5", True), ("eval.max_draft=2", True), ("eval.device=cpu", True),  # not read online
+    ("eval.endpoint_concurrency=4", False), ("eval.baseline_endpoint=http://b:1", False), ("eval.num_prompts=7", False),
+])
+def test_online_evaluate_hashes_what_the_online_bench_reads(make_cfg, tmp_path, override, same):
+    online = "eval.endpoint=http://s:1"
+    assert (fp(evaluate, make_cfg, tmp_path, online, override) == fp(evaluate, make_cfg, tmp_path, online)) is same
+
+
+def test_shaping_refuses_a_left_out_knob_the_section_does_not_have(make_cfg):
+    cfg = make_cfg("+experiment=tiny")
+    assert "num_workers" not in shaping(cfg.train, train.NOT_SHAPING)
+    assert shaping(cfg.train)["resume"] == "auto"  # enums as plain names
+    with pytest.raises(KeyError, match="num_worker"):
+        shaping(cfg.train, ("num_worker",))
+
+
+@pytest.fixture
+def finished_train(make_cfg, tmp_path, monkeypatch):
+    """A run dir whose train stage is recorded as done; train.run replaced by a recorder."""
+    (tmp_path / "train" / "final").mkdir(parents=True)
+    (tmp_path / "train" / "final" / "train_summary.json").write_text("{}")
+    cfg = make_cfg("+experiment=tiny", "stage=train", run_dir=tmp_path)
+    stages.write_record(tmp_path, "train", {"fingerprint": train.fingerprint(cfg)})
+    ran = []
+    monkeypatch.setattr(sys.modules["pipeline.train"], "run", lambda cfg: ran.append(cfg) or tmp_path / "train")
+    return tmp_path, ran
+
+
+def test_changing_num_workers_keeps_train_up_to_date(make_cfg, finished_train):
+    run_dir, ran = finished_train
+    stages.run_stages(make_cfg("+experiment=tiny", "stage=train", "train.num_workers=3", run_dir=run_dir))
+    assert ran == []
+
+
+def test_changing_lr_reruns_train(make_cfg, finished_train):
+    run_dir, ran = finished_train
+    stages.run_stages(make_cfg("+experiment=tiny", "stage=train", "train.lr=1e-3", run_dir=run_dir))
+    assert len(ran) == 1
+    assert json.loads((run_dir / "stages.json").read_text())["train"]["fingerprint"] == train.fingerprint(ran[0])

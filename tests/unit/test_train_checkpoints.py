@@ -1,0 +1,117 @@
+"""train's checkpoint handling with a stand-in accelerator: save through a .tmp folder, resume from the newest
+checkpoint of the same upstream (refusing one of other inputs), clear everything on a fresh start."""
+
+from types import SimpleNamespace
+
+import pytest
+from omegaconf import OmegaConf
+
+from pipeline import train
+from pipeline.config import Resume, TrainConfig
+from pipeline.errors import UserError
+from pipeline.formats import checkpoint as ckpt
+
+UPSTREAM = {"features_manifest_hash": "f1", "train_config_hash": "t1"}
+
+
+class Accelerator:
+    """What train's checkpoint code asks of accelerate's Accelerator, recorded."""
+
+    is_main_process = True
+
+    def __init__(self):
+        self.loaded, self.saved_into = [], []
+
+    def wait_for_everyone(self):
+        pass
+
+    def save_state(self, path):
+        self.saved_into.append(path)
+        with open(f"{path}/model.safetensors", "w") as f:
+            f.write("weights")
+
+    def load_state(self, path):
+        self.loaded.append(path)
+
+
+def session(root, upstream=UPSTREAM):
+    return SimpleNamespace(accelerator=Accelerator(), root=root, upstream=dict(upstream))
+
+
+def cfg(resume=Resume.auto, seed=0):
+    c = OmegaConf.structured({"seed": seed, "train": TrainConfig()})
+    c.train.resume = resume
+    return c
+
+
+def save(s, step, epoch=0, done=0, seed=0, upstream=UPSTREAM, keep_last=3):
+    train._save(s.accelerator, s.root, {"optimizer_step": step, "epoch": epoch, "batches_done_in_epoch": done,
+                                        "seed": seed, "upstream": dict(upstream)}, keep_last)
+
+
+def test_save_writes_the_accelerator_state_into_tmp_then_publishes_the_step(tmp_path):
+    s = session(tmp_path)
+    save(s, 4, epoch=1, done=6)
+    assert s.accelerator.saved_into == [str(tmp_path / "step_000004.tmp")]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_000004"]
+    path, state = ckpt.latest(tmp_path)
+    assert (path / "model.safetensors").read_text() == "weights"
+    assert (state["optimizer_step"], state["epoch"], state["batches_done_in_epoch"]) == (4, 1, 6)
+
+
+def test_save_keeps_the_newest_keep_last(tmp_path):
+    s = session(tmp_path)
+    for step in (2, 4, 6):
+        save(s, step, keep_last=2)
+    assert [p.name for p, _ in ckpt.complete(tmp_path)] == ["step_000004", "step_000006"]
+
+
+def test_resume_auto_continues_from_the_newest_checkpoint_at_its_recorded_position(tmp_path):
+    s = session(tmp_path)
+    save(s, 2, epoch=0, done=2)
+    save(s, 5, epoch=1, done=3)
+    p = train._resume_or_clear(cfg(), s)
+    assert (p.step, p.epoch, p.done_in_epoch) == (5, 1, 3)
+    assert s.accelerator.loaded == [str(tmp_path / "step_000005")]
+
+
+def test_resume_refuses_a_checkpoint_of_other_inputs(tmp_path):
+    s = session(tmp_path)
+    save(s, 3, upstream={**UPSTREAM, "features_manifest_hash": "other"})
+    with pytest.raises(UserError, match="trained on other inputs.*train.resume=never"):
+        train._resume_or_clear(cfg(), s)
+    assert (tmp_path / "step_000003").is_dir()  # refused, not deleted
+
+
+def test_resume_refuses_a_checkpoint_of_another_seed(tmp_path):
+    s = session(tmp_path)
+    save(s, 3, seed=1)
+    with pytest.raises(UserError, match="trained on other inputs"):
+        train._resume_or_clear(cfg(seed=0), s)
+
+
+def test_resume_never_starts_at_zero_and_deletes_every_earlier_checkpoint_and_final(tmp_path):
+    s = session(tmp_path)
+    save(s, 3)
+    (tmp_path / "final").mkdir()
+    (tmp_path / "step_000009.tmp").mkdir()
+    p = train._resume_or_clear(cfg(Resume.never), s)
+    assert (p.step, p.epoch, p.done_in_epoch) == (0, 0, 0)
+    assert s.accelerator.loaded == []
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_resume_auto_without_a_complete_checkpoint_starts_fresh_and_clears_half_written_ones(tmp_path):
+    s = session(tmp_path)
+    (tmp_path / "step_000002.tmp").mkdir()
+    p = train._resume_or_clear(cfg(), s)
+    assert (p.step, s.accelerator.loaded) == (0, [])
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_only_the_main_process_clears(tmp_path):
+    s = session(tmp_path)
+    save(s, 3)
+    s.accelerator.is_main_process = False
+    train._resume_or_clear(cfg(Resume.never), s)
+    assert (tmp_path / "step_000003").is_dir()
