@@ -60,8 +60,13 @@ def check(cfg) -> None:
 def fingerprint(cfg) -> str:
     stats_path = Path(cfg.run_dir) / "prepared" / "stats.json"
     prepared = stats_path.read_text() if stats_path.exists() else None
+    # the SGLang knobs shape nothing under backend=hf (and leaving them out keeps hf stores made before they
+    # existed up to date); SGLang's memory fraction never shapes the states
+    leave_out = {"overwrite", "device", "max_batch_size", "chunk_tokens", "compressor", "clevel", "sglang_mem_fraction"}
+    if backend(cfg) != "sglang":
+        leave_out.add("sglang_attention_backend")
     shaping = {k: v for k, v in OmegaConf.to_container(cfg.extract, resolve=True, enum_to_str=True).items()
-               if k not in ("overwrite", "device", "max_batch_size", "chunk_tokens", "compressor", "clevel")}
+               if k not in leave_out}
     return digest({"prepared": prepared, "target": targets.fingerprint(targets.resolve(cfg.target, cfg.cache_dir)),
                    "extract": shaping})
 

@@ -84,3 +84,14 @@ def test_changing_lr_reruns_train(make_cfg, finished_train):
     stages.run_stages(make_cfg("+experiment=tiny", "stage=train", "train.lr=1e-3", run_dir=run_dir))
     assert len(ran) == 1
     assert json.loads((run_dir / "stages.json").read_text())["train"]["fingerprint"] == train.fingerprint(ran[0])
+
+
+def test_sglang_knobs_shape_only_sglang_stores(make_cfg, tmp_path):
+    from pipeline import extract
+    hf = fp(extract, make_cfg, tmp_path)
+    assert fp(extract, make_cfg, tmp_path, "extract.sglang_attention_backend=triton") == hf
+    assert fp(extract, make_cfg, tmp_path, "extract.sglang_mem_fraction=0.3") == hf
+    sgl = fp(extract, make_cfg, tmp_path, "extract.backend=sglang")
+    assert sgl != hf
+    assert fp(extract, make_cfg, tmp_path, "extract.backend=sglang", "extract.sglang_attention_backend=triton") != sgl
+    assert fp(extract, make_cfg, tmp_path, "extract.backend=sglang", "extract.sglang_mem_fraction=0.3") == sgl
