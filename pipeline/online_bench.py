@@ -103,7 +103,9 @@ def bench(url: str, prompts: list[list[int]], max_new: int, concurrency: int, ti
     return report
 
 
-def run(cfg, prompts: list[list[int]], out: Path) -> Path:
+def measure(cfg, store, prompts: list[list[int]], out: Path) -> Path:
+    """The server's accept length (and the speedup over the baseline) over the prompts; out/online.json.
+    `store` is unused: the same entry shape as offline_bench.measure."""
     e = cfg.eval
     report = {"speculative": bench(e.endpoint, prompts, e.max_new_tokens, e.endpoint_concurrency, e.endpoint_timeout_s)}
     spec = report["speculative"]

@@ -8,7 +8,7 @@ import torch
 from safetensors.torch import load_file
 
 from pipeline import draft, targets, train
-from pipeline.evaluate import ExportedDraft
+from pipeline.offline_bench import ExportedDraft
 from pipeline.features_dataset import collate
 from pipeline.formats import export_layouts as lay
 from pipeline.stages import run_stages

@@ -1,0 +1,186 @@
+"""The offline bench of stage `evaluate` (no server): greedy chain speculative decoding, HF target + the exported draft.
+
+The draft runs through `ExportedDraft`, a small re-implementation of SGLang's Eagle3 draft forward that reads
+exactly the tensors and config of run_dir/export/sglang (midlayer.*, fc, norm, lm_head, d2t; the embedding
+is the target's, as SGLang shares it): a layout bug shows up as collapsed acceptance. The target runs with a
+KV cache and the same aux layers captured by hooks. Reports tau = tokens per target forward (bonus token
+included) and acceptance per draft position, pooled and per prompt, for draft lengths 1..max, next to an
+untrained draft (the floor); checks the speculative output equals plain greedy decoding token for token.
+Entry: `measure(cfg, store, prompts, out)`, the same shape as online_bench.measure; writes out/acceptance.json.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file
+
+from pipeline import draft as draft_lib
+from pipeline import targets
+from pipeline.engines.hf_capture import Capture
+from pipeline.errors import UserError
+from pipeline.formats import export_layouts as lay
+
+log = logging.getLogger(__name__)
+
+
+class ExportedDraft:
+    """SGLang's LlamaForCausalLMEagle3 forward (one layer, no tree), from an export's tensors, in fp32."""
+
+    def __init__(self, tensors: dict, config: dict, embed: torch.Tensor, device: torch.device | str = "cpu"):
+        self.w = {k: (v.float() if v.is_floating_point() else v).to(device) for k, v in tensors.items()}
+        self.c, self.embed = config, embed.float().to(device)
+        self.heads, self.kv = config["num_attention_heads"], config["num_key_value_heads"]
+        self.hd = config.get("head_dim") or config["hidden_size"] // self.heads
+        self.eps = config["rms_norm_eps"]
+        theta = (config.get("rope_parameters") or {}).get("rope_theta", config.get("rope_theta", 10000.0))
+        self.inv_freq = (1.0 / theta ** (torch.arange(0, self.hd, 2).float() / self.hd)).to(device)
+        self.d2t = self.w["d2t"]
+
+    def _rms(self, x, name):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.w[name]
+
+    def _rope(self, x, pos):
+        f = torch.outer(pos.float(), self.inv_freq)
+        cos, sin = torch.cat([f, f], -1).cos()[None], torch.cat([f, f], -1).sin()[None]
+        x1, x2 = x[..., : self.hd // 2], x[..., self.hd // 2:]
+        return x * cos + torch.cat([-x2, x1], -1) * sin
+
+    def fuse(self, aux: torch.Tensor) -> torch.Tensor:
+        return aux.float() @ self.w["fc.weight"].T
+
+    def layer(self, tokens: torch.Tensor, hidden: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        p, w = "midlayer.", self.w
+        e = self._rms(self.embed[tokens], p + "input_layernorm.weight")
+        x = torch.cat([e, self._rms(hidden, p + "hidden_norm.weight")], -1)
+        T = x.shape[0]
+        q = (x @ w[p + "self_attn.q_proj.weight"].T).view(T, self.heads, self.hd).transpose(0, 1)
+        k = (x @ w[p + "self_attn.k_proj.weight"].T).view(T, self.kv, self.hd).transpose(0, 1)
+        v = (x @ w[p + "self_attn.v_proj.weight"].T).view(T, self.kv, self.hd).transpose(0, 1)
+        q, k = self._rope(q, pos), self._rope(k, pos)
+        rep = self.heads // self.kv
+        a = F.scaled_dot_product_attention(q, k.repeat_interleave(rep, 0), v.repeat_interleave(rep, 0), is_causal=True)
+        h = hidden + a.transpose(0, 1).reshape(T, -1) @ w[p + "self_attn.o_proj.weight"].T
+        y = self._rms(h, p + "post_attention_layernorm.weight")
+        mlp = (F.silu(y @ w[p + "mlp.gate_proj.weight"].T) * (y @ w[p + "mlp.up_proj.weight"].T)) @ w[p + "mlp.down_proj.weight"].T
+        return h + mlp
+
+    def next_target_id(self, out_hidden: torch.Tensor) -> int:
+        d = int(torch.argmax(self._rms(out_hidden, "norm.weight") @ self.w["lm_head.weight"].T))
+        return d + int(self.d2t[d])
+
+
+@torch.no_grad()
+def speculate(model, capture: Capture, dr: ExportedDraft, prompt: list[int], max_new: int, k: int, eos: int | None):
+    """Greedy chain speculative decoding. Returns (generated ids, accepted-per-round list)."""
+    from transformers import DynamicCache
+
+    dev = model.device
+    past = DynamicCache()
+    out = model(input_ids=torch.tensor([prompt], device=dev), past_key_values=past, use_cache=True)
+    aux = capture.states()[0][0]
+    nxt = int(out.logits[0, -1].argmax())
+    ctx_tok, ctx_hid = prompt[1:] + [nxt], dr.fuse(aux)  # draft input at position t: token t+1, fused aux t
+    generated, rounds = [nxt], []
+    while len(generated) < max_new and nxt != eos:
+        tok, hid, props = list(ctx_tok), ctx_hid, []
+        for _ in range(k):  # the chain: each step feeds the draft's own output hidden state back
+            pos = torch.arange(1, len(tok) + 1, device=dev)
+            h = dr.layer(torch.tensor(tok, device=dev), hid, pos)[-1]
+            props.append(dr.next_target_id(h))
+            tok, hid = tok + [props[-1]], torch.cat([hid, h[None]])
+        out = model(input_ids=torch.tensor([[nxt] + props], device=dev), past_key_values=past, use_cache=True)
+        verify = out.logits[0].argmax(-1).tolist()
+        a = 0
+        while a < k and verify[a] == props[a]:
+            a += 1
+        new = props[:a] + [verify[a]]
+        aux = capture.states()[0][0, : a + 1]
+        if a < k:
+            past.crop(-(k - a))  # keep nxt and the accepted proposals: drop the k - a rejected ones
+        ctx_tok, ctx_hid = ctx_tok + new, torch.cat([ctx_hid, dr.fuse(aux)])
+        rounds.append(a)
+        for t in new:
+            generated.append(t)
+            if t == eos or len(generated) >= max_new:
+                break
+        nxt = generated[-1]
+    return generated[:max_new], rounds
+
+
+def measure(cfg, store, prompts: list[list[int]], out: Path) -> Path:
+    """tau of the exported draft (and of an untrained one) over the prompts; out/acceptance.json + tau.png."""
+    e = cfg.eval
+    export = Path(cfg.run_dir) / "export" / "sglang"
+    if not (export / "export_manifest.json").is_file():
+        raise UserError(f"no SGLang export under {export}; run stage=export first")
+    folder = Path(store.facts["target_path"])
+    tok = targets.load_tokenizer(folder, cfg.target)
+    device, _ = targets.pick_device_dtype(e.device, "fp32")  # fp32: greedy equality is exact, not bf16-noisy
+    model = targets.load_model(folder, cfg.target, device, torch.float32, "sdpa")
+    capture = Capture(model, store.aux_layer_ids)
+    config = json.loads((export / "config.json").read_text())
+    embed = model.get_input_embeddings().weight.detach()
+    trained = ExportedDraft(load_file(str(export / "model.safetensors")), config, embed, device)
+    untrained = ExportedDraft(untrained_tensors(cfg, store, folder), config, embed, device)
+    report = {"prompts": len(prompts), "max_new_tokens": e.max_new_tokens, "draft_lengths": list(range(1, e.max_draft + 1))}
+    greedy_refs = [model.generate(torch.tensor([p], device=device), max_new_tokens=e.max_new_tokens, do_sample=False,
+                                  eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)[0, len(p):].tolist()
+                   for p in prompts]  # plain greedy decoding, the reference every speculative run must equal
+    for name, dr in (("trained", trained), ("untrained", untrained)):
+        report[name] = {}
+        for k in range(1, e.max_draft + 1):
+            per_prompt, pooled_rounds, mismatches = [], [], 0
+            for p, greedy in zip(prompts, greedy_refs):
+                gen, rounds = speculate(model, capture, dr, p, e.max_new_tokens, k, tok.eos_token_id)
+                mismatches += gen != greedy
+                per_prompt.append(sum(r + 1 for r in rounds) / max(len(rounds), 1))
+                pooled_rounds += rounds
+            accept = [sum(r >= i for r in pooled_rounds) / max(sum(r >= i - 1 for r in pooled_rounds), 1)
+                      for i in range(1, k + 1)]
+            report[name][str(k)] = {"tau": sum(r + 1 for r in pooled_rounds) / max(len(pooled_rounds), 1),
+                                    "tau_per_prompt": per_prompt, "accept_per_position": accept,
+                                    "target_forwards": len(pooled_rounds), "greedy_mismatches": mismatches}
+            log.info("eval %s draft k=%d: tau %.3f, acceptance per position %s, greedy mismatches %d", name, k,
+                     report[name][str(k)]["tau"], [round(x, 3) for x in accept], mismatches)
+    capture.remove()
+    ks = report["draft_lengths"]
+    lines = ["tau (tokens per target forward)  " + "".join(f"{'k=' + str(k):>8}" for k in ks)]
+    for name, label in (("trained", "trained draft"), ("untrained", "untrained draft (floor)")):
+        lines.append(f"{label:<33}" + "".join(f"{report[name][str(k)]['tau']:>8.3f}" for k in ks))
+    log.info("evaluate, %d held-out prompts x %d new tokens:\n%s", len(prompts), e.max_new_tokens, "\n".join(lines))
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "acceptance.json").write_text(json.dumps(report, indent=1))
+    _plot(report, out / "tau.png")
+    return out
+
+
+
+def untrained_tensors(cfg, store, folder: Path) -> dict:
+    """The floor: speculators' initial draft (same seed, same vocab), through the same SGLang layout."""
+    from pipeline.formats import vocab_map
+    d2t, t2d, _ = vocab_map.load(Path(cfg.run_dir) / "vocab")
+    torch.manual_seed(cfg.seed)
+    m = draft_lib.build(folder, targets.load_config(folder, cfg.target), store.aux_layer_ids, d2t, t2d, 1)
+    return {lay.speculators_to_sglang_name(k): v.detach() for k, v in lay.draft_owned(m.state_dict()).items()}
+
+
+def _plot(report: dict, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ks = report["draft_lengths"]
+    fig, ax = plt.subplots(figsize=(5, 3.5))
+    for name in ("trained", "untrained"):
+        ax.plot(ks, [report[name][str(k)]["tau"] for k in ks], "o-", label=name)
+    ax.set_xlabel("draft length k")
+    ax.set_ylabel("tau (tokens / target forward)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
