@@ -26,7 +26,7 @@ from pipeline.formats import vocab_map
 from pipeline.fingerprint import digest
 
 log = logging.getLogger(__name__)
-ENGINES = ("sglang", "vllm")
+ENGINES = tuple(lay.ENGINES)
 
 
 def out_dir(cfg) -> Path:

@@ -28,8 +28,8 @@ from pipeline.formats import vocab_map
 log = logging.getLogger(__name__)
 ROOT = Path(__file__).resolve().parents[1]
 # Both engines on CPU in one virtualenv (scripts/setup_engines.sh, requirements-engines.txt)
-ENGINES_PYTHON = ROOT / ".venv-engines" / "bin" / "python"
-ENGINE_MODULE = {"sglang": "pipeline.engines.sglang_verify", "vllm": "pipeline.engines.vllm_verify"}
+ENGINES_PYTHON = ROOT / lay.ENGINES["sglang"].venv / "bin" / "python"
+ENGINE_MODULE = {name: e.verify_module for name, e in lay.ENGINES.items()}
 
 
 def read_export(folder: Path) -> tuple[dict, dict]:

@@ -32,8 +32,8 @@ import torch
 
 from pipeline.formats import export_layouts as lay
 
-SGLANG_VERSION = "0.5.23"  # the release CI's contract tests import
-SUPPORTED = ("0.5.17", "0.5.23")  # oldest .. newest release this module ran against (0.5.17: the H200 bundle)
+SGLANG_VERSION = lay.ENGINES["sglang"].version  # the release CI's contract tests import
+SUPPORTED = lay.ENGINES["sglang"].supported  # oldest .. newest release this module ran against
 
 
 def version_problem(version: str) -> str | None:

@@ -18,12 +18,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
 SCHEMA_VERSION = 1
-SGLANG_VERSION = "0.5.23"
-VLLM_VERSION = "0.33.0"
 
 
 # The draft's parameters (speculators names) that are the target's, not the draft's: the embedding (every
@@ -45,13 +44,32 @@ def vllm_layer_ids(ours: list[int]) -> list[int]:
     return [k + 1 for k in ours]
 
 
+@dataclass(frozen=True)
+class Engine:
+    """One serving engine, every fact eaglepipe keeps about it (export, verify, doctor, serve, capture read this)."""
+
+    name: str
+    version: str  # the release these layouts were read from, and that CI's .venv-engines runs
+    supported: tuple[str, str]  # oldest .. newest release eaglepipe ran against (0.5.17: the H200 bundle)
+    layer_ids: Callable[[list[int]], list[int]]  # eaglepipe aux ids -> the engine's numbering
+    verify_module: str  # loads an export into the engine's own class (runs in the engines' Python)
+    venv: str = ".venv-engines"  # that Python's virtualenv, under the repo root (scripts/setup_engines.sh)
+
+
+ENGINES = {
+    "sglang": Engine("sglang", "0.5.23", ("0.5.17", "0.5.23"), sglang_layer_ids, "pipeline.engines.sglang_verify"),
+    "vllm": Engine("vllm", "0.33.0", ("0.33.0", "0.33.0"), vllm_layer_ids, "pipeline.engines.vllm_verify"),
+}
+SGLANG_VERSION = ENGINES["sglang"].version
+
+
 def engine_layer_ids(engine: str, ours: list[int]) -> list[int]:
-    return sglang_layer_ids(ours) if engine == "sglang" else vllm_layer_ids(ours)
+    return ENGINES[engine].layer_ids(ours)
 
 
 def engine_version(engine: str) -> str:
     """The engine version whose source these layouts were read from."""
-    return SGLANG_VERSION if engine == "sglang" else VLLM_VERSION
+    return ENGINES[engine].version
 
 
 def speculators_to_sglang_name(name: str) -> str:
