@@ -28,8 +28,8 @@ def app(cfg: DictConfig) -> None:
         sys.exit(2)
 
 
-# A tool (verify, serve, doctor, parity) reads a run directory but never writes into one: no .hydra/ config
-# over the run's recorded one, no log file; its log goes to the terminal only.
+# A tool (verify, serve, doctor, parity, check-store) reads a run directory but never writes into one: no
+# .hydra/ config over the run's recorded one, no log file; its log goes to the terminal only.
 TOOL_HYDRA = ["hydra.output_subdir=null", "hydra/job_logging=stdout", "hydra.run.dir=."]
 
 
@@ -38,7 +38,7 @@ def main() -> None:
 
     # `eaglepipe verify export_dir=...` is `eaglepipe stage=verify export_dir=...`
     if len(sys.argv) > 1 and "=" not in sys.argv[1] and not sys.argv[1].startswith("-"):
-        sys.argv[1] = f"stage={sys.argv[1]}"
+        sys.argv[1] = f"stage={sys.argv[1].replace('-', '_')}"  # check-store is stage=check_store
     if any(a in {f"stage={t}" for t in TOOLS} for a in sys.argv[1:]):
         sys.argv += TOOL_HYDRA
     app()

@@ -17,12 +17,14 @@ import time
 from pathlib import Path
 
 from pipeline.errors import UserError
+from pipeline.formats import feature_store as fs
 
 
 log = logging.getLogger(__name__)
 
 ORDER = ["prepare", "extract", "vocab", "train", "export", "evaluate"]
-TOOLS = ["verify", "serve", "doctor", "parity"]  # read an export; no fingerprints, never part of `all`
+# read an export or a store; no fingerprints, never part of `all`
+TOOLS = ["verify", "serve", "doctor", "parity", "check_store"]
 
 
 def read_records(run_dir: Path) -> dict:
@@ -61,6 +63,13 @@ def preflight(cfg, names: list[str]) -> None:
 
 def run_stages(cfg) -> None:
     stage = str(getattr(cfg.stage, "value", cfg.stage))
+    try:
+        _run_stages(cfg, stage)
+    except fs.ChunkError as e:  # damaged features, found while reading them
+        raise UserError(str(e)) from None
+
+
+def _run_stages(cfg, stage: str) -> None:
     if stage in TOOLS:
         importlib.import_module(f"pipeline.{stage}").run(cfg)
         return
