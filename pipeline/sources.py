@@ -59,7 +59,10 @@ def load_conversations(data) -> tuple[list[dict], Problems]:
     if fmt == "chitchat":
         raw = [(c["source_id"], c) for c in chitchat_conversations(data.path)]
     elif fmt in ("sharegpt", "messages"):
-        raw = list(_json_records(Path(_need_path(data)), problems))
+        if Path(_need_path(data)).is_dir():
+            raise UserError(f"data.path {data.path} is a directory; data={fmt} reads one .json or .jsonl file "
+                            "(a datasets save_to_disk folder or a folder of parquet files is data=hf)")
+        raw = list(_json_records(Path(data.path), problems))
     elif fmt == "hf":
         raw = list(_hf_records(Path(_need_path(data)), data.split))
     else:

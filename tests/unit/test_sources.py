@@ -105,3 +105,8 @@ def test_split_syntax():
     assert list(_split_indices(10, "train[2:4]")) == [2, 3]
     with pytest.raises(UserError):
         _split_indices(10, "train[[")
+
+
+def test_data_path_that_is_a_directory_is_a_user_error(tmp_path):
+    with pytest.raises(UserError, match="is a directory; data=sharegpt reads one .json or .jsonl file"):
+        load_conversations(data_cfg(tmp_path))
