@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 from pipeline.errors import UserError
+from pipeline.formats import checkpoint
 from pipeline.formats import feature_store as fs
 
 
@@ -48,7 +49,7 @@ def selected(stage: str) -> list[str]:
 def preflight(cfg, names: list[str]) -> None:
     """Every selected stage's check(cfg), all before the first stage starts: `stage=all` with a bad eval or
     export setting stops in a second, not after hours of extract and train; every problem in one line."""
-    problems = []
+    problems = _resume_conflicts(cfg, names)
     for name in names:
         check = getattr(importlib.import_module(f"pipeline.{name}"), "check", None)
         if check is None:
@@ -59,6 +60,23 @@ def preflight(cfg, names: list[str]) -> None:
             problems.append(f"{name}: {e}")
     if problems:
         raise UserError("; ".join(problems))
+
+
+def _resume_conflicts(cfg, names: list[str]) -> list[str]:
+    """A vocab rebuilt at another size under checkpoints that train would resume (#12 B3): refused before the
+    vocab is replaced, instead of a size mismatch inside load_state after it was."""
+    if not {"vocab", "train"} <= set(names) or str(getattr(cfg.train.resume, "value", cfg.train.resume)) != "auto":
+        return []
+    vocab_manifest = Path(cfg.run_dir) / "vocab" / "manifest.json"
+    train_dir = Path(cfg.run_dir) / "train"
+    if not vocab_manifest.is_file() or checkpoint.latest(train_dir) is None:
+        return []
+    built = json.loads(vocab_manifest.read_text()).get("draft_vocab_size")
+    if built == cfg.vocab.draft_vocab_size:
+        return []
+    return [f"vocab.draft_vocab_size={cfg.vocab.draft_vocab_size} would rebuild {vocab_manifest.parent} (now "
+            f"{built} tokens) under the checkpoints in {train_dir}, trained with {built}, which train.resume=auto "
+            "cannot resume: add train.resume=never to train from scratch (it deletes them) or use a new run_dir"]
 
 
 def run_stages(cfg) -> None:

@@ -202,11 +202,17 @@ def _resume_or_clear(cfg, s: Session) -> Progress:
     delete every earlier checkpoint so that none is ever resumed later."""
     found = checkpoint.latest(s.root) if cfg.train.resume == Resume.auto else None
     if found:
-        s.accelerator.load_state(str(found[0]))
         state = found[1]
-        if state["upstream"] != s.upstream or state["seed"] != cfg.seed:
-            raise UserError(f"checkpoint {found[0]} was trained on other inputs or another train config; "
-                            "use a new run_dir or train.resume=never")
+        refuse = (f"checkpoint {found[0]} was trained on other inputs or another train config; "
+                  "use a new run_dir or train.resume=never (it deletes the checkpoints under train/)")
+        if state["upstream"] != s.upstream or state["seed"] != cfg.seed:  # read before load_state touches the model
+            raise UserError(refuse)
+        try:
+            s.accelerator.load_state(str(found[0]))
+        except RuntimeError as e:  # same recorded upstream, other shapes (e.g. a vocab of another size)
+            if "size mismatch" not in str(e):
+                raise
+            raise UserError(f"{refuse} (its tensors have other shapes than this draft's)") from None
         p = Progress(state["optimizer_step"], state["epoch"], state["batches_done_in_epoch"])
         log.info("train: resumed from %s (step %d, epoch %d, %d batches into it)", found[0], p.step, p.epoch,
                  p.done_in_epoch)

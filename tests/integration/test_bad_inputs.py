@@ -113,3 +113,37 @@ def test_verify_of_an_export_without_model_safetensors_is_one_line(exported_run,
     assert json.loads((folder / "export_manifest.json").read_text())["engine"] == "sglang"
     assert os.listdir(folder)  # nothing deleted
 
+
+# ---- B3: a vocab of another size on a finished run
+def _tree(root: Path) -> dict:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture
+def finished_copy(exported_run, tmp_path):
+    run_dir, _ = exported_run
+    shutil.copytree(run_dir, tmp_path / "run")
+    return tmp_path / "run"
+
+
+def test_stage_all_with_another_draft_vocab_size_is_refused_before_anything_is_replaced(finished_copy, make_cfg):
+    from pipeline.stages import run_stages
+
+    before = {d: _tree(finished_copy / d) for d in ("vocab", "train", "export")}
+    with pytest.raises(UserError, match=r"vocab.draft_vocab_size=128 would rebuild .*vocab \(now 256 tokens\).*"
+                                        r"add train.resume=never"):
+        run_stages(make_cfg(*RUN, "vocab.draft_vocab_size=128", run_dir=finished_copy))
+    assert {d: _tree(finished_copy / d) for d in before} == before
+
+
+def test_resuming_checkpoints_of_another_vocab_size_is_one_line_and_resume_never_retrains(finished_copy, make_cfg):
+    from pipeline.stages import run_stages
+
+    run_stages(make_cfg(*RUN, "vocab.draft_vocab_size=128", "stage=vocab", run_dir=finished_copy))
+    steps = sorted(p.name for p in (finished_copy / "train").glob("step_*"))
+    with pytest.raises(UserError, match="was trained on other inputs or another train config"):
+        run_stages(make_cfg(*RUN, "vocab.draft_vocab_size=128", "stage=train", run_dir=finished_copy))
+    assert sorted(p.name for p in (finished_copy / "train").glob("step_*")) == steps  # nothing deleted
+    run_stages(make_cfg(*RUN, "vocab.draft_vocab_size=128", "stage=train", "train.resume=never", run_dir=finished_copy))
+    from safetensors.torch import load_file
+    assert load_file(str(finished_copy / "train/final/model.safetensors"))["d2t"].shape == (128,)
