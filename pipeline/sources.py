@@ -56,6 +56,9 @@ def load_conversations(data) -> tuple[list[dict], Problems]:
     """All valid conversations of the configured source, after split, shuffle and limit."""
     fmt = _enum(data.format)
     problems = Problems(_enum(data.on_error), data.path or fmt)
+    if fmt != "hf" and not re.fullmatch(r"train(\[.*\])?", data.split.strip()):
+        raise UserError(f"data.split={data.split!r}: a {fmt} source has one split, train; take part of it with "
+                        "e.g. train[:90%] or train[100:200]")
     if fmt == "chitchat":
         raw = [(c["source_id"], c) for c in chitchat_conversations(data.path)]
     elif fmt in ("sharegpt", "messages"):
@@ -136,6 +139,9 @@ def _json_records(path: Path, problems: Problems) -> Iterator[tuple[str, dict]]:
         for i, r in enumerate(records):
             yield f"record {i}", r
         return
+    if data.lstrip()[:1] == b"[":
+        raise UserError(f"{path} holds a JSON array (it starts with '['), not one conversation per line: "
+                        "name it .json, or write one JSON object per line")
     for lineno, raw in enumerate(data.split(b"\n"), start=1):
         if not raw.strip():
             continue

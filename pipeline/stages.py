@@ -28,6 +28,13 @@ ORDER = ["prepare", "extract", "vocab", "train", "export", "evaluate"]
 TOOLS = ["verify", "serve", "doctor", "parity", "check_store"]
 
 
+# What each stage read (run_dir-relative): a stage skipped as up to date says so when one of them is gone
+INPUTS = {"extract": ["prepared/stats.json"], "vocab": ["features/manifest.json"],
+          "train": ["features/manifest.json", "vocab/manifest.json"],
+          "export": ["train/final/model.safetensors", "features/manifest.json", "vocab/manifest.json"],
+          "evaluate": ["export/sglang/export_manifest.json", "features/manifest.json"]}
+
+
 def read_records(run_dir: Path) -> dict:
     path = Path(run_dir) / "stages.json"
     return json.loads(path.read_text()) if path.exists() else {}
@@ -50,6 +57,9 @@ def preflight(cfg, names: list[str]) -> None:
     """Every selected stage's check(cfg), all before the first stage starts: `stage=all` with a bad eval or
     export setting stops in a second, not after hours of extract and train; every problem in one line."""
     problems = _resume_conflicts(cfg, names)
+    if {"train", "evaluate"} <= set(names) and cfg.train.val_fraction == 0:
+        problems.append("train.val_fraction=0 holds out no samples, and evaluate prompts only from held-out ones: "
+                        "set train.val_fraction > 0, or run the stages up to export")
     for name in names:
         check = getattr(importlib.import_module(f"pipeline.{name}"), "check", None)
         if check is None:
@@ -102,6 +112,11 @@ def _run_stages(cfg, stage: str) -> None:
         old = read_records(run_dir).get(name)
         if old and old["fingerprint"] == fp and module.is_complete(cfg):
             log.info("stage %s: up to date (fingerprint %s), skipped", name, fp)
+            gone = [p for p in INPUTS.get(name, ()) if not (run_dir / p).exists()]
+            if gone:
+                log.warning("stage %s: its output is up to date, but %d of its inputs are gone (%s): stages that read "
+                            "them fail until they are rebuilt (stage=all rebuilds them)", name, len(gone),
+                            ", ".join(str(run_dir / p) for p in gone))
             continue
         if old and old["fingerprint"] != fp:
             log.info("stage %s: inputs changed since the last run (%s -> %s): running again", name, old["fingerprint"], fp)

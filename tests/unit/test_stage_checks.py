@@ -45,3 +45,21 @@ def test_a_path_given_to_the_tiny_target_is_refused_not_ignored(make_cfg, tmp_pa
 
     with pytest.raises(UserError, match="target.path=/nope with target.source=tiny"):
         targets.resolve(make_cfg("target=tiny", "target.path=/nope").target, tmp_path)
+
+
+def test_stage_all_with_no_held_out_samples_is_refused_before_anything_runs(make_cfg, tmp_path):
+    from pipeline.stages import run_stages
+
+    with pytest.raises(UserError, match="train.val_fraction=0 holds out no samples, and evaluate prompts only"):
+        run_stages(make_cfg("+experiment=tiny", "train.val_fraction=0", run_dir=tmp_path / "r"))
+    assert not (tmp_path / "r").exists()
+
+
+def test_evaluate_of_a_draft_trained_without_held_out_samples_names_val_fraction_not_prompt_tokens(make_cfg, tmp_path):
+    import json
+
+    final = tmp_path / "train" / "final"
+    final.mkdir(parents=True)
+    (final / "train_summary.json").write_text(json.dumps({"val_samples": []}))
+    with pytest.raises(UserError, match=r"trained with no held-out samples \(train.val_fraction=0\)"):
+        evaluate.heldout_prompts(make_cfg("+experiment=tiny", run_dir=tmp_path), store=None, n=3, prompt_tokens=512)
