@@ -84,9 +84,9 @@ def _resume_conflicts(cfg, names: list[str]) -> list[str]:
     built = json.loads(vocab_manifest.read_text()).get("draft_vocab_size")
     if built == cfg.vocab.draft_vocab_size:
         return []
-    return [f"vocab.draft_vocab_size={cfg.vocab.draft_vocab_size} would rebuild {vocab_manifest.parent} (now "
-            f"{built} tokens) under the checkpoints in {train_dir}, trained with {built}, which train.resume=auto "
-            "cannot resume: add train.resume=never to train from scratch (it deletes them) or use a new run_dir"]
+    return [(f"vocab.draft_vocab_size={cfg.vocab.draft_vocab_size} would rebuild {vocab_manifest.parent} (now "
+             f"{built} tokens) under the checkpoints in {train_dir}, trained with {built}, which train.resume=auto "
+             "cannot resume: add train.resume=never to train from scratch (it deletes them) or use a new run_dir")]
 
 
 def run_stages(cfg) -> None:
