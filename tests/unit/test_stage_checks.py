@@ -3,7 +3,7 @@ naming every bad key, before the stage touches anything."""
 
 import pytest
 
-from pipeline import evaluate, export, train
+from pipeline import evaluate, export, train, vocab
 from pipeline.errors import UserError
 
 
@@ -18,13 +18,15 @@ from pipeline.errors import UserError
     (export, ["export.serve.num_steps=0", "export.serve.topk=-1"],
      r"export.serve.num_steps=0 must be >= 1.*; export.serve.topk=-1 must be >= 1"),  # B13: landed in serve.sh
     (export, ["export.engines=[sglang,vlm]"], r"export.engines: 'vlm' is not one of \['sglang', 'vllm'\]"),
+    # the default 32000 with target=tiny was refused only after prepare and extract ran
+    (vocab, ["vocab.draft_vocab_size=32000"], r"vocab.draft_vocab_size=32000: must be in \[1, 1024\]"),
 ])
 def test_bad_settings_are_refused_before_the_stage_works(make_cfg, stage, overrides, message):
     with pytest.raises(UserError, match=message):
         stage.check(make_cfg("+experiment=tiny", *overrides))
 
 
-@pytest.mark.parametrize("stage", [train, evaluate, export])
+@pytest.mark.parametrize("stage", [train, evaluate, export, vocab])
 def test_the_shipped_experiments_pass_their_checks(make_cfg, stage):
     for experiment in ("tiny", "demo", "gpu_smollm2"):
         stage.check(make_cfg(f"+experiment={experiment}"))
