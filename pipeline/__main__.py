@@ -1,35 +1,107 @@
 """`eaglepipe` / `python -m pipeline`: the only Hydra entry point; runs cfg.stage (or all stages in order).
 
-`eaglepipe STAGE key=value ...` is shorthand for `eaglepipe stage=STAGE key=value ...`."""
+`eaglepipe STAGE key=value ...` is shorthand for `eaglepipe stage=STAGE key=value ...`.
+
+A user mistake is one line, `eaglepipe: error: ...`, and exit code 2: a UserError from a stage, and also what
+fails before the first stage starts (Hydra's composition and override errors, a run_dir that is a file or
+not writable); Hydra's own report of those is several lines and exit code 1."""
 
 import logging
+import os
 import sys
 from pathlib import Path
 
 import hydra
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 from pipeline.config import register
 from pipeline.errors import UserError
 
 log = logging.getLogger("pipeline")
 register()
+CONF = Path(__file__).resolve().parent.parent / "conf"
+_job = {"started": False}  # set once the task function runs: what fails after that is not a start-up error
 
 
-@hydra.main(version_base="1.3", config_path=str(Path(__file__).resolve().parent.parent / "conf"), config_name="config")
+@hydra.main(version_base="1.3", config_path=str(CONF), config_name="config")
 def app(cfg: DictConfig) -> None:
     from pipeline.stages import run_stages
 
-    log.debug("resolved config:\n%s", OmegaConf.to_yaml(cfg, resolve=True))
+    _job["started"] = True
     try:
+        log.debug("resolved config:\n%s", OmegaConf.to_yaml(cfg, resolve=True))
         run_stages(cfg)
     except UserError as e:
-        print(f"eaglepipe: error: {e}", file=sys.stderr)
-        sys.exit(2)
+        fail(str(e))
+    except OmegaConfBaseException as e:
+        if not hasattr(e, "full_key"):
+            raise
+        fail(f"the config does not resolve: {one_line(str(e))}")
 
 
-# A tool (verify, serve, doctor, parity) reads a run directory but never writes into one: no .hydra/ config
-# over the run's recorded one, no log file; its log goes to the terminal only.
+def fail(message: str) -> None:
+    print(f"eaglepipe: error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def one_line(text: str) -> str:
+    """Hydra's and OmegaConf's multi-line reports as one line: the message lines joined, option lists
+    comma-separated, the search path, key/type details and the HYDRA_FULL_ERROR hint left out."""
+    noise = ("See https://hydra.cc", "Set the environment variable", "full_key:", "object_type=",
+             "reference_type=", "provider=", "Config search path:")
+    parts: list[str] = []
+    for raw in text.splitlines():
+        line = raw.strip()
+        if not line or line.startswith(noise) or line.startswith("base_"):  # base_<group>: the schema
+            continue
+        if raw.startswith("\t") and parts:
+            parts[-1] += ("" if parts[-1].endswith(":") else ",") + " " + line
+        elif parts and parts[-1].endswith("."):
+            parts[-1] += " " + line
+        else:
+            parts.append(line)
+    return "; ".join(parts)
+
+
+def startup_error(e: BaseException) -> str | None:
+    """The one line for an error raised before the first stage started; None: not a user mistake."""
+    from hydra.errors import ConfigCompositionException, OverrideParseException
+
+    if isinstance(e, OverrideParseException):
+        what = "; ".join(p for p in one_line(str(e)).split("; ") if not p.startswith("Error parsing override"))
+        return (f"override {e.override!r}: {what}; Hydra's grammar reserves , [ ] {{ }} ( ) ' \" = "
+                "and \\ in values: quote the value inside the override, e.g. \"launch='$(cat serve.sh)'\"")
+    if isinstance(e, (ConfigCompositionException, OmegaConfBaseException)):
+        cause = e.__cause__
+        text = one_line(str(e))
+        if isinstance(cause, OmegaConfBaseException) and one_line(str(cause)) not in text:
+            text += f"; {one_line(str(cause))}"
+        return text
+    if isinstance(e, (FileExistsError, NotADirectoryError)):
+        return f"cannot create the run dir: {e.filename} is a file, not a directory; pick another run_dir"
+    if isinstance(e, OSError):
+        return f"cannot create the run dir {e.filename} ({e.strerror}); pick a writable run_dir"
+    cause = e.__cause__
+    if isinstance(e, ValueError) and "Unable to configure handler" in str(e) and isinstance(cause, OSError):
+        return (f"cannot write the log file {cause.filename} ({cause.strerror}): the run dir must be a writable "
+                "directory; fix its permissions or pick another run_dir")
+    return None
+
+
+def schema_as_option(args: list[str]) -> str | None:
+    """`target=base_target` (Hydra lists base_<group> among a group's options): the schema, not a config."""
+    for arg in args:
+        group, _, option = arg.lstrip("+~").partition("=")
+        if option == f"base_{group}" and (CONF / group).is_dir():
+            options = sorted(p.stem for p in (CONF / group).glob("*.yaml"))
+            return (f"{group}={option} is the schema every {group}/*.yaml builds on, not a {group}: pick one "
+                    f"of {', '.join(options)}")
+    return None
+
+
+# A tool (verify, serve, doctor, parity, check-store) reads a run directory but never writes into one: no
+# .hydra/ config over the run's recorded one, no log file; its log goes to the terminal only.
 TOOL_HYDRA = ["hydra.output_subdir=null", "hydra/job_logging=stdout", "hydra.run.dir=."]
 
 
@@ -38,10 +110,20 @@ def main() -> None:
 
     # `eaglepipe verify export_dir=...` is `eaglepipe stage=verify export_dir=...`
     if len(sys.argv) > 1 and "=" not in sys.argv[1] and not sys.argv[1].startswith("-"):
-        sys.argv[1] = f"stage={sys.argv[1]}"
+        sys.argv[1] = f"stage={sys.argv[1].replace('-', '_')}"  # check-store is stage=check_store
     if any(a in {f"stage={t}" for t in TOOLS} for a in sys.argv[1:]):
         sys.argv += TOOL_HYDRA
-    app()
+    problem = schema_as_option(sys.argv[1:])
+    if problem:
+        fail(problem)
+    os.environ.setdefault("HYDRA_FULL_ERROR", "1")  # Hydra raises instead of printing several lines, exit 1
+    try:
+        app()
+    except Exception as e:
+        problem = None if _job["started"] else startup_error(e)
+        if problem is None:
+            raise
+        fail(problem)
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ class Stage(str, Enum):
     serve = "serve"  # print the launch command of an export (engine=...)
     doctor = "doctor"  # an export against a server launch line
     parity = "parity"  # hf vs sglang capture of the same samples (GPU box with sglang)
+    check_store = "check_store"  # `eaglepipe check-store`: every chunk of run_dir/features against its crc32c
 
 
 class TargetSource(str, Enum):
@@ -125,6 +126,7 @@ class ExtractConfig:
     clevel: int = 3
     limit: Optional[int] = None  # first N prepared samples; null = all
     overwrite: bool = False  # allow replacing features made from other inputs
+    repair: bool = False  # check every chunk first; shards with a damaged chunk are extracted again
 
 
 @dataclass

@@ -75,6 +75,9 @@ def heldout_prompts(cfg, store, n: int, prompt_tokens: int) -> list[list[int]]:
     if val is None:  # a draft trained before train recorded its split: the same seeded split, recomputed
         log.warning("evaluate: %s records no val_samples; recomputing the split from train.val_fraction", summary)
         val = split(len(store), cfg.train.val_fraction, cfg.seed)[1].tolist()
+    if not val:
+        raise UserError(f"{summary.parent} was trained with no held-out samples (train.val_fraction=0): evaluate "
+                        "prompts only from samples the draft never saw; retrain with train.val_fraction > 0")
     prompts = []
     for i in val:
         s = store.sample(i)
@@ -84,5 +87,6 @@ def heldout_prompts(cfg, store, n: int, prompt_tokens: int) -> list[list[int]]:
         if len(prompts) >= n:
             break
     if not prompts:
-        raise UserError(f"no held-out prompt of at most eval.prompt_tokens={prompt_tokens} tokens")
+        raise UserError(f"none of the {len(val)} held-out samples has a prompt (the tokens before the first "
+                        f"supervised one) of 2 to eval.prompt_tokens={prompt_tokens} tokens; raise eval.prompt_tokens")
     return prompts

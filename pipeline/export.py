@@ -16,6 +16,7 @@ import shutil
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from pipeline import __version__, verify
@@ -60,6 +61,16 @@ def check(cfg) -> None:
         raise UserError("; ".join(problems))
 
 
+def _load_final(final: Path) -> tuple[dict, dict]:
+    """train/final's weights and config; a damaged or missing file is one line with the fix."""
+    fix = (f"delete {final} and rerun stage=train: it resumes from the newest checkpoint under "
+           f"{final.parent} and writes final/ again")
+    try:
+        return load_file(str(final / "model.safetensors")), json.loads((final / "config.json").read_text())
+    except (OSError, SafetensorError, json.JSONDecodeError) as e:
+        raise UserError(f"the trained draft in {final} cannot be read ({type(e).__name__}: {e}); {fix}") from None
+
+
 def run(cfg) -> Path:
     check(cfg)
     final = Path(cfg.run_dir) / "train" / "final"
@@ -67,8 +78,7 @@ def run(cfg) -> Path:
         raise UserError(f"no trained draft under {final}; run stage=train first")
     store = fs.FeatureStore(Path(cfg.run_dir) / "features")
     d2t, t2d, vman = vocab_map.load(Path(cfg.run_dir) / "vocab")
-    weights = load_file(str(final / "model.safetensors"))
-    draft_cfg = json.loads((final / "config.json").read_text())
+    weights, draft_cfg = _load_final(final)
     if draft_cfg["eagle_aux_hidden_state_layer_ids"] != store.aux_layer_ids:
         raise UserError(f"trained draft has aux ids {draft_cfg['eagle_aux_hidden_state_layer_ids']}, the feature "
                         f"store {store.aux_layer_ids}; retrain")

@@ -13,6 +13,7 @@ prepared lengths alone, so a killed run resumes at the first shard missing from 
 from __future__ import annotations
 
 import logging
+import os
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -62,16 +63,18 @@ def fingerprint(cfg) -> str:
     prepared = stats_path.read_text() if stats_path.exists() else None
     # the SGLang knobs shape nothing under backend=hf (and leaving them out keeps hf stores made before they
     # existed up to date); SGLang's memory fraction never shapes the states
-    leave_out = {"overwrite", "device", "max_batch_size", "chunk_tokens", "compressor", "clevel", "sglang_mem_fraction"}
+    leave_out = {"overwrite", "repair", "device", "max_batch_size", "chunk_tokens", "compressor", "clevel", "sglang_mem_fraction"}
     if backend(cfg) != "sglang":
         leave_out.add("sglang_attention_backend")
     shaping = {k: v for k, v in OmegaConf.to_container(cfg.extract, resolve=True, enum_to_str=True).items()
                if k not in leave_out}
     return digest({"prepared": prepared, "target": targets.fingerprint(targets.resolve(cfg.target, cfg.cache_dir)),
-                   "extract": shaping})
+                   "extract": shaping, "store_schema": fs.SCHEMA_VERSION})
 
 
 def is_complete(cfg) -> bool:
+    if cfg.extract.repair:
+        return False  # a repair always looks at every chunk
     try:
         manifest = fs.read_manifest(out_dir(cfg))
     except fs.StoreError:
@@ -137,6 +140,8 @@ def run(cfg) -> Path:
     device, dtype = targets.pick_device_dtype(ex.device, ex.dtype)
     lengths = np.array([len(x) for x in ds["input_ids"]], dtype=np.int64)
     facts = store_facts(cfg, folder, model_cfg, tok, stats, aux, dtype, len(lengths))
+    if ex.repair:
+        _drop_damaged(cfg)
     try:
         manifest = _open_store(cfg, facts)
     except fs.StoreError as e:
@@ -163,9 +168,27 @@ def run(cfg) -> Path:
     return out_dir(cfg)
 
 
+def _drop_damaged(cfg) -> None:
+    """extract.repair=true: shards with a damaged, truncated or missing chunk leave the manifest (and are then
+    extracted again, like shards a killed run never committed)."""
+    if int(os.environ.get("RANK", "0")) != 0:
+        return
+    try:
+        bad = fs.verify_store(out_dir(cfg))
+    except fs.StoreError as e:
+        raise UserError(f"extract.repair=true: {e}; run stage=extract without repair") from None
+    names = sorted({b["shard"] for b in bad})
+    log.warning("extract: repair: %d damaged chunk(s) in %d shard(s)%s", len(bad), len(names),
+                f": extracting {', '.join(names)} again" if names else "; nothing to redo")
+    if names:
+        manifest = fs.read_manifest(out_dir(cfg))
+        manifest["shards"] = [s for s in manifest["shards"] if s["name"] not in names]
+        manifest["complete"] = False
+        fs.write_manifest(out_dir(cfg), manifest)
+
+
 def _open_store(cfg, facts: dict) -> dict:
     """Rank 0 opens (or resumes) the store; other tensor-parallel ranks wait for its manifest and read it."""
-    import os
 
     if int(os.environ.get("RANK", 0)) == 0 or backend(cfg) != "sglang":
         return fs.open_for_writing(out_dir(cfg), facts, overwrite=cfg.extract.overwrite)
@@ -180,7 +203,6 @@ def _open_store(cfg, facts: dict) -> dict:
 def _sglang_capture(folder: Path, aux: list[int], model_cfg, ex):
     """SGLang's ModelRunner on this rank (torchrun: one process per tensor-parallel rank; pipeline/engines/
     sglang_capture.py). Returns (capture, rank)."""
-    import os
 
     from pipeline.engines import sglang_capture as sc
 

@@ -14,7 +14,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from pipeline.formats.feature_store import FeatureStore
+from pipeline.formats.feature_store import ChunkError, FeatureStore
+
+STORE_ERROR = "store_error"  # a pack that could not be read: {STORE_ERROR: the ChunkError's message}
 
 
 def split(num_samples: int, val_fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
@@ -76,4 +78,7 @@ class PackDataset(torch.utils.data.Dataset):
     def __getitem__(self, k: int) -> dict[str, torch.Tensor]:
         if self._store is None:
             self._store = FeatureStore(self.root)
-        return collate(self._store, self.packs[k], self.tokens_per_pack)
+        try:
+            return collate(self._store, self.packs[k], self.tokens_per_pack)
+        except ChunkError as e:  # a DataLoader worker would re-raise it wrapped in its traceback text
+            return {STORE_ERROR: str(e)}

@@ -56,10 +56,16 @@ def load_conversations(data) -> tuple[list[dict], Problems]:
     """All valid conversations of the configured source, after split, shuffle and limit."""
     fmt = _enum(data.format)
     problems = Problems(_enum(data.on_error), data.path or fmt)
+    if fmt != "hf" and not re.fullmatch(r"train(\[.*\])?", data.split.strip()):
+        raise UserError(f"data.split={data.split!r}: a {fmt} source has one split, train; take part of it with "
+                        "e.g. train[:90%] or train[100:200]")
     if fmt == "chitchat":
         raw = [(c["source_id"], c) for c in chitchat_conversations(data.path)]
     elif fmt in ("sharegpt", "messages"):
-        raw = list(_json_records(Path(_need_path(data)), problems))
+        if Path(_need_path(data)).is_dir():
+            raise UserError(f"data.path {data.path} is a directory; data={fmt} reads one .json or .jsonl file "
+                            "(a datasets save_to_disk folder or a folder of parquet files is data=hf)")
+        raw = list(_json_records(Path(data.path), problems))
     elif fmt == "hf":
         raw = list(_hf_records(Path(_need_path(data)), data.split))
     else:
@@ -133,6 +139,9 @@ def _json_records(path: Path, problems: Problems) -> Iterator[tuple[str, dict]]:
         for i, r in enumerate(records):
             yield f"record {i}", r
         return
+    if data.lstrip()[:1] == b"[":
+        raise UserError(f"{path} holds a JSON array (it starts with '['), not one conversation per line: "
+                        "name it .json, or write one JSON object per line")
     for lineno, raw in enumerate(data.split(b"\n"), start=1):
         if not raw.strip():
             continue

@@ -17,12 +17,22 @@ import time
 from pathlib import Path
 
 from pipeline.errors import UserError
+from pipeline.formats import checkpoint
+from pipeline.formats import feature_store as fs
 
 
 log = logging.getLogger(__name__)
 
 ORDER = ["prepare", "extract", "vocab", "train", "export", "evaluate"]
-TOOLS = ["verify", "serve", "doctor", "parity"]  # read an export; no fingerprints, never part of `all`
+# read an export or a store; no fingerprints, never part of `all`
+TOOLS = ["verify", "serve", "doctor", "parity", "check_store"]
+
+
+# What each stage read (run_dir-relative): a stage skipped as up to date says so when one of them is gone
+INPUTS = {"extract": ["prepared/stats.json"], "vocab": ["features/manifest.json"],
+          "train": ["features/manifest.json", "vocab/manifest.json"],
+          "export": ["train/final/model.safetensors", "features/manifest.json", "vocab/manifest.json"],
+          "evaluate": ["export/sglang/export_manifest.json", "features/manifest.json"]}
 
 
 def read_records(run_dir: Path) -> dict:
@@ -46,7 +56,10 @@ def selected(stage: str) -> list[str]:
 def preflight(cfg, names: list[str]) -> None:
     """Every selected stage's check(cfg), all before the first stage starts: `stage=all` with a bad eval or
     export setting stops in a second, not after hours of extract and train; every problem in one line."""
-    problems = []
+    problems = _resume_conflicts(cfg, names)
+    if {"train", "evaluate"} <= set(names) and cfg.train.val_fraction == 0:
+        problems.append("train.val_fraction=0 holds out no samples, and evaluate prompts only from held-out ones: "
+                        "set train.val_fraction > 0, or run the stages up to export")
     for name in names:
         check = getattr(importlib.import_module(f"pipeline.{name}"), "check", None)
         if check is None:
@@ -59,8 +72,32 @@ def preflight(cfg, names: list[str]) -> None:
         raise UserError("; ".join(problems))
 
 
+def _resume_conflicts(cfg, names: list[str]) -> list[str]:
+    """A vocab rebuilt at another size under checkpoints that train would resume (#12 B3): refused before the
+    vocab is replaced, instead of a size mismatch inside load_state after it was."""
+    if not {"vocab", "train"} <= set(names) or str(getattr(cfg.train.resume, "value", cfg.train.resume)) != "auto":
+        return []
+    vocab_manifest = Path(cfg.run_dir) / "vocab" / "manifest.json"
+    train_dir = Path(cfg.run_dir) / "train"
+    if not vocab_manifest.is_file() or checkpoint.latest(train_dir) is None:
+        return []
+    built = json.loads(vocab_manifest.read_text()).get("draft_vocab_size")
+    if built == cfg.vocab.draft_vocab_size:
+        return []
+    return [(f"vocab.draft_vocab_size={cfg.vocab.draft_vocab_size} would rebuild {vocab_manifest.parent} (now "
+             f"{built} tokens) under the checkpoints in {train_dir}, trained with {built}, which train.resume=auto "
+             "cannot resume: add train.resume=never to train from scratch (it deletes them) or use a new run_dir")]
+
+
 def run_stages(cfg) -> None:
     stage = str(getattr(cfg.stage, "value", cfg.stage))
+    try:
+        _run_stages(cfg, stage)
+    except fs.ChunkError as e:  # damaged features, found while reading them
+        raise UserError(str(e)) from None
+
+
+def _run_stages(cfg, stage: str) -> None:
     if stage in TOOLS:
         importlib.import_module(f"pipeline.{stage}").run(cfg)
         return
@@ -75,6 +112,11 @@ def run_stages(cfg) -> None:
         old = read_records(run_dir).get(name)
         if old and old["fingerprint"] == fp and module.is_complete(cfg):
             log.info("stage %s: up to date (fingerprint %s), skipped", name, fp)
+            gone = [p for p in INPUTS.get(name, ()) if not (run_dir / p).exists()]
+            if gone:
+                log.warning("stage %s: its output is up to date, but %d of its inputs are gone (%s): stages that read "
+                            "them fail until they are rebuilt (stage=all rebuilds them)", name, len(gone),
+                            ", ".join(str(run_dir / p) for p in gone))
             continue
         if old and old["fingerprint"] != fp:
             log.info("stage %s: inputs changed since the last run (%s -> %s): running again", name, old["fingerprint"], fp)

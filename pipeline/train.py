@@ -22,7 +22,7 @@ from tqdm import tqdm
 from pipeline import __version__, draft, targets
 from pipeline.config import Resume
 from pipeline.errors import UserError
-from pipeline.features_dataset import PackDataset, plan_packs, shard_for_rank, split
+from pipeline.features_dataset import STORE_ERROR, PackDataset, plan_packs, shard_for_rank, split
 from pipeline.formats import checkpoint, vocab_map
 from pipeline.formats import feature_store as fs
 from pipeline.fingerprint import digest, shaping
@@ -206,11 +206,17 @@ def _resume_or_clear(cfg, s: Session) -> Progress:
     delete every earlier checkpoint so that none is ever resumed later."""
     found = checkpoint.latest(s.root) if cfg.train.resume == Resume.auto else None
     if found:
-        s.accelerator.load_state(str(found[0]))
         state = found[1]
-        if state["upstream"] != s.upstream or state["seed"] != cfg.seed:
-            raise UserError(f"checkpoint {found[0]} was trained on other inputs or another train config; "
-                            "use a new run_dir or train.resume=never")
+        refuse = (f"checkpoint {found[0]} was trained on other inputs or another train config; "
+                  "use a new run_dir or train.resume=never (it deletes the checkpoints under train/)")
+        if state["upstream"] != s.upstream or state["seed"] != cfg.seed:  # read before load_state touches the model
+            raise UserError(refuse)
+        try:
+            s.accelerator.load_state(str(found[0]))
+        except RuntimeError as e:  # same recorded upstream, other shapes (e.g. a vocab of another size)
+            if "size mismatch" not in str(e):
+                raise
+            raise UserError(f"{refuse} (its tensors have other shapes than this draft's)") from None
         p = Progress(state["optimizer_step"], state["epoch"], state["batches_done_in_epoch"])
         log.info("train: resumed from %s (step %d, epoch %d, %d batches into it)", found[0], p.step, p.epoch,
                  p.done_in_epoch)
@@ -239,41 +245,43 @@ def _loop(cfg, s: Session, plan: Plan, p: Progress) -> None:
     t, acc = cfg.train, s.accelerator
     metrics_file = s.root / "metrics.jsonl"
     window, t0, window_tokens = defaultdict(float), time.time(), 0
-    bar = tqdm(total=plan.total_steps, initial=p.step, disable=not acc.is_local_main_process, desc="train")
-    while p.step < plan.total_steps and p.epoch < t.epochs:
-        packs = plan.epochs[p.epoch]
-        loader = torch.utils.data.DataLoader(PackDataset(s.store.root, packs[p.done_in_epoch:], t.tokens_per_pack),
-                                             batch_size=None, shuffle=False, num_workers=t.num_workers,
-                                             pin_memory=acc.device.type == "cuda")
-        s.model.train()
-        for batch in loader:
-            metrics = _micro_step(t, s, batch)
-            p.done_in_epoch += 1
-            window_tokens += batch["input_ids"].numel()
-            for k, v in metrics.items():  # summed on the device; read back only when logging (no per-step sync)
-                window[k] = window[k] + v.detach()
-            if not acc.sync_gradients:
-                continue
-            p.step += 1
-            bar.update(1)
-            if p.step % t.log_every_steps == 0 or p.step == plan.total_steps:
-                rec = {"split": "train", **_summarise({k: float(v) for k, v in window.items()}, t.ttt_steps),
-                       "lr": s.scheduler.get_last_lr()[0], "epoch": p.epoch,
-                       "tokens_per_s": window_tokens * acc.num_processes / (time.time() - t0)}
-                bar.set_description(f"train|ep {p.epoch}|step {p.step}|loss {rec['loss']:.3f}")
-                _log(acc, metrics_file, rec, p.step)
-                window, t0, window_tokens = defaultdict(float), time.time(), 0
-            if p.step % t.val_every_steps == 0 and p.step < plan.total_steps:
-                _log(acc, metrics_file, {"split": "val", **_validate(acc, s.model, cfg, plan.val_packs, s.fwd)}, p.step)
-                s.model.train()
-            if p.step % t.save_every_steps == 0 or p.step == plan.total_steps:
-                _save(acc, s.root, {"optimizer_step": p.step, "epoch": p.epoch, "batches_done_in_epoch": p.done_in_epoch,
-                                    "seed": cfg.seed, "upstream": s.upstream}, t.keep_last)
-            if p.step >= plan.total_steps:
-                break
-        if p.done_in_epoch >= len(packs) - len(packs) % t.grad_accum:
-            p.epoch, p.done_in_epoch = p.epoch + 1, 0
-    bar.close()
+    # the bar is closed (its line ended) on an error too, so the one-line error starts a line of its own
+    with tqdm(total=plan.total_steps, initial=p.step, disable=not acc.is_local_main_process, desc="train") as bar:
+        while p.step < plan.total_steps and p.epoch < t.epochs:
+            packs = plan.epochs[p.epoch]
+            loader = torch.utils.data.DataLoader(PackDataset(s.store.root, packs[p.done_in_epoch:], t.tokens_per_pack),
+                                                 batch_size=None, shuffle=False, num_workers=t.num_workers,
+                                                 pin_memory=acc.device.type == "cuda")
+            s.model.train()
+            for batch in loader:
+                if STORE_ERROR in batch:
+                    raise UserError(batch[STORE_ERROR])
+                metrics = _micro_step(t, s, batch)
+                p.done_in_epoch += 1
+                window_tokens += batch["input_ids"].numel()
+                for k, v in metrics.items():  # summed on the device; read back only when logging (no per-step sync)
+                    window[k] = window[k] + v.detach()
+                if not acc.sync_gradients:
+                    continue
+                p.step += 1
+                bar.update(1)
+                if p.step % t.log_every_steps == 0 or p.step == plan.total_steps:
+                    rec = {"split": "train", **_summarise({k: float(v) for k, v in window.items()}, t.ttt_steps),
+                           "lr": s.scheduler.get_last_lr()[0], "epoch": p.epoch,
+                           "tokens_per_s": window_tokens * acc.num_processes / (time.time() - t0)}
+                    bar.set_description(f"train|ep {p.epoch}|step {p.step}|loss {rec['loss']:.3f}")
+                    _log(acc, metrics_file, rec, p.step)
+                    window, t0, window_tokens = defaultdict(float), time.time(), 0
+                if p.step % t.val_every_steps == 0 and p.step < plan.total_steps:
+                    _log(acc, metrics_file, {"split": "val", **_validate(acc, s.model, cfg, plan.val_packs, s.fwd)}, p.step)
+                    s.model.train()
+                if p.step % t.save_every_steps == 0 or p.step == plan.total_steps:
+                    _save(acc, s.root, {"optimizer_step": p.step, "epoch": p.epoch, "batches_done_in_epoch": p.done_in_epoch,
+                                        "seed": cfg.seed, "upstream": s.upstream}, t.keep_last)
+                if p.step >= plan.total_steps:
+                    break
+            if p.done_in_epoch >= len(packs) - len(packs) % t.grad_accum:
+                p.epoch, p.done_in_epoch = p.epoch + 1, 0
 
 
 def _micro_step(t, s: Session, batch: dict) -> dict:

@@ -19,6 +19,7 @@ import os
 import subprocess
 from pathlib import Path
 
+from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from pipeline.errors import UserError
@@ -104,9 +105,9 @@ def verify_export(folder: Path, engine: str, facts: dict, target_dir: str, in_en
 def check_export(folder: Path, engine: str, facts: dict) -> list[str]:
     """Every problem with an export folder that needs no engine. Empty list = good."""
     folder = Path(folder)
-    config = json.loads((folder / "config.json").read_text())
-    tensors = load_file(str(folder / "model.safetensors"))
-    problems = []
+    config, tensors, problems = _read_files(folder)
+    if problems:
+        return problems  # nothing else can be checked
     hidden, V = int(facts["hidden_size"]), int(facts["vocab_size"])
     want_ids = facts["aux_layer_ids"]
     ids = ((config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids") if engine == "sglang"
@@ -142,6 +143,23 @@ def check_export(folder: Path, engine: str, facts: dict) -> list[str]:
     return problems
 
 
+def _read_files(folder: Path) -> tuple[dict, dict, list[str]]:
+    """(config.json, tensors, problems): a missing or unreadable file is a problem, not a traceback."""
+    config, tensors, problems = {}, {}, []
+    try:
+        config = json.loads((folder / "config.json").read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        problems.append(f"config.json cannot be read ({type(e).__name__}: {e})")
+    try:
+        tensors = load_file(str(folder / "model.safetensors"))
+    except (OSError, SafetensorError) as e:
+        problems.append(f"model.safetensors cannot be read ({type(e).__name__}: {e}); export again (stage=export)")
+    return config, tensors, problems
+
+
+SGLANG_LAYER_KEYS = ("hidden_size", "num_attention_heads", "num_key_value_heads", "intermediate_size")
+
+
 def _check_sglang(config: dict, tensors: dict, facts: dict) -> list[str]:
     problems = []
     if config.get("architectures") != ["LlamaForCausalLMEagle3"]:
@@ -153,6 +171,9 @@ def _check_sglang(config: dict, tensors: dict, facts: dict) -> list[str]:
         problems.append(f"{len(pre_rename)} tensors named layers.* ({pre_rename[0]}, ...): SGLang before the "
                         "model.layers.0 rename names the layer midlayer.* and drops layers.* without a word; "
                         "the SGLang layout writes midlayer.*, which every SGLang loads")
+    missing = [k for k in SGLANG_LAYER_KEYS if not isinstance(config.get(k), int)]
+    if missing:
+        return problems + [f"config.json lacks {', '.join(missing)}: SGLang cannot build the draft layer"]
     heads, kv = config["num_attention_heads"], config["num_key_value_heads"]
     shape = lay.Shape(hidden=config["hidden_size"], target_hidden=int(facts["hidden_size"]),
                       n_aux=len(facts["aux_layer_ids"]), heads=heads, kv_heads=kv,

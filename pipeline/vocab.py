@@ -12,6 +12,7 @@ import logging
 from pathlib import Path
 
 import numpy as np
+from omegaconf import OmegaConf
 
 from pipeline import __version__, targets
 from pipeline.errors import UserError
@@ -36,6 +37,16 @@ def open_store(cfg) -> fs.FeatureStore:
     return store
 
 
+def check(cfg) -> None:
+    """vocab.draft_vocab_size against the target's declared vocabulary, before prepare and extract run (the
+    store's recorded vocab_size is checked again in run)."""
+    K = cfg.vocab.draft_vocab_size
+    V = None if OmegaConf.is_missing(cfg.target, "vocab_size") else cfg.target.vocab_size
+    if K < 1 or (V is not None and K > V):
+        raise UserError(f"vocab.draft_vocab_size={K}: must be in [1, {V or 'the target vocabulary'}] "
+                        f"(target {cfg.target.name}'s vocabulary)")
+
+
 def fingerprint(cfg) -> str:
     manifest = Path(cfg.run_dir) / "features" / fs.MANIFEST
     return digest({"features": manifest.read_text() if manifest.exists() else None,
@@ -47,6 +58,7 @@ def is_complete(cfg) -> bool:
 
 
 def run(cfg) -> Path:
+    check(cfg)
     store = open_store(cfg)
     V, K = int(store.facts["vocab_size"]), cfg.vocab.draft_vocab_size
     if not 1 <= K <= V:

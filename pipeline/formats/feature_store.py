@@ -13,7 +13,10 @@ Layout (docs/feature_store.md is the normative description):
 
 A shard is written as `shard-XXXXX.zarr.tmp`, renamed when complete, and only then entered in the manifest
 (itself replaced atomically). A reader trusts the manifest alone, so a killed writer never leaves a shard
-that looks complete. Pure module: no Hydra, no globals.
+that looks complete. Every chunk ends with a crc32c of its encoded bytes (zarr's own `crc32c` codec, last
+in each array's codec chain; every chunk is written, even an all-zero one), so a flipped bit, a truncated
+chunk or a missing chunk file stops the reader (ChunkError) instead of feeding changed values to training;
+`verify_store` checks every chunk. Pure module: no Hydra, no globals.
 """
 
 from __future__ import annotations
@@ -28,17 +31,30 @@ from typing import Any, Iterator, Optional
 import numpy as np
 import torch
 import zarr
-from zarr.codecs import BloscCodec, BloscShuffle
+from zarr.codecs import BloscCodec, BloscShuffle, Crc32cCodec
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: every chunk carries a crc32c (schema 1 had none)
+CHECKSUM = "crc32c"  # per chunk, zarr v3 codec, recorded in the manifest
 FORMAT = "eaglepipe-features"
 LOGICAL_DTYPE = "bfloat16"
 STORAGE_DTYPE = "uint16"
 MANIFEST = "manifest.json"
+ALL_CHUNKS = {"write_empty_chunks": True}  # an all-zero chunk is written too, so a missing file is damage
+ARRAYS = ("input_ids", "loss_mask", "offsets", "aux_hidden", "last_hidden")
 
 
 class StoreError(Exception):
     """The store on disk does not match what the caller expects (stages turn this into a UserError)."""
+
+
+class ChunkError(StoreError):
+    """A committed chunk is damaged, truncated or missing: its shard must be extracted again."""
+
+    def __init__(self, root: Path, shard: str, array: str, what: str):
+        self.shard, self.array = shard, array
+        super().__init__(f"feature store {root}: {shard}/{array}: {what}; re-extract the damaged shards with "
+                         f"`eaglepipe stage=extract extract.repair=true run_dir={Path(root).parent}` (plus the "
+                         f"run's own overrides), `eaglepipe check-store run_dir=...` lists every damaged chunk")
 
 
 def shard_name(index: int) -> str:
@@ -57,13 +73,14 @@ def bits_to_bf16(a: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(a).view(np.int16)).view(torch.bfloat16)
 
 
-def make_compressors(name: str, clevel: int = 3) -> Optional[list]:
+def make_compressors(name: str, clevel: int = 3) -> list:
+    """The bytes-to-bytes codecs of every array: the compressor (if any), then the chunk's crc32c."""
     if name == "none":
-        return None
+        return [Crc32cCodec()]
     cname = {"blosc_zstd": "zstd", "blosc_lz4": "lz4"}.get(name)
     if cname is None:
         raise ValueError(f"unknown compressor {name!r}; expected blosc_zstd, blosc_lz4 or none")
-    return [BloscCodec(cname=cname, clevel=clevel, shuffle=BloscShuffle.bitshuffle)]
+    return [BloscCodec(cname=cname, clevel=clevel, shuffle=BloscShuffle.bitshuffle), Crc32cCodec()]
 
 
 # ----------------------------------------------------------------------------------------------- manifest
@@ -72,6 +89,9 @@ def read_manifest(root: Path) -> Optional[dict]:
     if not path.exists():
         return None
     manifest = json.loads(path.read_text())
+    if manifest.get("format") == FORMAT and manifest.get("schema_version") == 1:
+        raise StoreError(f"{path}: schema 1, written by an eaglepipe before chunk checksums; this eaglepipe reads "
+                         f"schema {SCHEMA_VERSION} (crc32c per chunk): extract it again (extract.overwrite=true)")
     if manifest.get("format") != FORMAT or manifest.get("schema_version") != SCHEMA_VERSION:
         raise StoreError(
             f"{path}: format {manifest.get('format')!r} schema {manifest.get('schema_version')!r}; "
@@ -94,7 +114,13 @@ def open_for_writing(root: Path, facts: dict, overwrite: bool = False) -> dict:
     """
     root = Path(root)
     facts = json.loads(json.dumps(facts))  # normalise tuples etc. to what JSON gives back
-    manifest = read_manifest(root) if root.exists() else None
+    try:
+        manifest = read_manifest(root) if root.exists() else None
+    except StoreError:
+        if not overwrite:
+            raise
+        shutil.rmtree(root)  # another schema, replaced on request
+        manifest = None
     if manifest is not None and manifest["facts"] != facts:
         if not overwrite:
             diff = sorted(k for k in set(facts) | set(manifest["facts"]) if facts.get(k) != manifest["facts"].get(k))
@@ -104,7 +130,8 @@ def open_for_writing(root: Path, facts: dict, overwrite: bool = False) -> dict:
         manifest = None
     root.mkdir(parents=True, exist_ok=True)
     if manifest is None:
-        manifest = {"format": FORMAT, "schema_version": SCHEMA_VERSION, "facts": facts, "shards": []}
+        manifest = {"format": FORMAT, "schema_version": SCHEMA_VERSION, "checksum": CHECKSUM, "facts": facts,
+                    "shards": []}
         write_manifest(root, manifest)
     committed = {s["name"] for s in manifest["shards"]}
     for entry in root.iterdir():  # a shard renamed but not yet in the manifest, or a .tmp: not complete
@@ -170,11 +197,11 @@ class ShardWriter:
                             "num_tokens": int(self.offsets[-1]), "shard_index": self.spec.index})
         for name, data in self.buffers.items():
             arr = group.create_array(name, shape=data.shape, chunks=(self.chunk, *data.shape[1:]), dtype=data.dtype,
-                                     compressors=self.compressors, fill_value=0)
+                                     compressors=self.compressors, fill_value=0, config=ALL_CHUNKS)
             if data.ndim == 2:
                 arr.attrs.update({"logical_dtype": LOGICAL_DTYPE, "storage_dtype": STORAGE_DTYPE})
             arr[...] = data
-        group.create_array("offsets", data=self.offsets, compressors=None)
+        group.create_array("offsets", data=self.offsets, compressors=[Crc32cCodec()], config=ALL_CHUNKS)
         os.replace(self.tmp, self.final)
         manifest["shards"].append({"name": self.final.name, "sample_start": self.spec.sample_start,
                                    "sample_end": self.spec.sample_end, "num_tokens": int(self.offsets[-1])})
@@ -217,9 +244,16 @@ class FeatureStore:
 
     def _group(self, name: str):
         if name not in self._groups:
-            g = zarr.open_group(str(self.root / name), mode="r")
+            try:
+                g = zarr.open_group(str(self.root / name), mode="r")
+            except (FileNotFoundError, ValueError, KeyError) as e:
+                raise ChunkError(self.root, name, "(group)", f"cannot be opened ({type(e).__name__}: {e})") from None
+            for array in ARRAYS:
+                missing = missing_chunks(self.root / name, g, array) if array in g else ["the whole array"]
+                if missing:
+                    raise ChunkError(self.root, name, array, f"{len(missing)} chunk file(s) missing ({missing[0]})")
             self._groups[name] = g
-            self._offsets[name] = g["offsets"][:]
+            self._offsets[name] = _read(self.root, name, g, "offsets", slice(None))
         return self._groups[name], self._offsets[name]
 
     def _locate(self, index: int) -> tuple[dict, int]:
@@ -237,7 +271,7 @@ class FeatureStore:
         shard, local = self._locate(index)
         group, offsets = self._group(shard["name"])
         a, b = int(offsets[local]), int(offsets[local + 1])
-        return self._slice(group, a, b)
+        return self._slice(shard["name"], group, a, b)
 
     def sample_lengths(self) -> np.ndarray:
         return np.concatenate([np.diff(self._group(s["name"])[1]) for s in self.shards]) if self.shards \
@@ -247,19 +281,21 @@ class FeatureStore:
         """(input_ids, loss_mask) of each shard, without reading hidden states."""
         for s in self.shards:
             group, _ = self._group(s["name"])
-            yield group["input_ids"][:], group["loss_mask"][:]
+            yield (_read(self.root, s["name"], group, "input_ids", slice(None)),
+                   _read(self.root, s["name"], group, "loss_mask", slice(None)))
 
     def manifest_hash(self) -> str:
         import hashlib
         return hashlib.sha256((self.root / MANIFEST).read_bytes()).hexdigest()[:16]
 
-    @staticmethod
-    def _slice(group, a: int, b: int) -> dict[str, torch.Tensor]:
+    def _slice(self, shard: str, group, a: int, b: int) -> dict[str, torch.Tensor]:
+        def read(array):
+            return _read(self.root, shard, group, array, slice(a, b))
         return {
-            "input_ids": torch.from_numpy(group["input_ids"][a:b].astype(np.int64)),
-            "loss_mask": torch.from_numpy(group["loss_mask"][a:b]),
-            "aux_hidden": bits_to_bf16(group["aux_hidden"][a:b]),
-            "last_hidden": bits_to_bf16(group["last_hidden"][a:b]),
+            "input_ids": torch.from_numpy(read("input_ids").astype(np.int64)),
+            "loss_mask": torch.from_numpy(read("loss_mask")),
+            "aux_hidden": bits_to_bf16(read("aux_hidden")),
+            "last_hidden": bits_to_bf16(read("last_hidden")),
         }
 
     def iter_token_ranges(self, tokens: int) -> Iterator[tuple[str, int, dict[str, torch.Tensor]]]:
@@ -268,4 +304,63 @@ class FeatureStore:
             group, offsets = self._group(s["name"])
             total = int(offsets[-1])
             for a in range(0, total, tokens):
-                yield s["name"], a, self._slice(group, a, min(a + tokens, total))
+                yield s["name"], a, self._slice(s["name"], group, a, min(a + tokens, total))
+
+
+# ------------------------------------------------------------------------------------------------ checksums
+def _read(root: Path, shard: str, group, array: str, rows: slice) -> np.ndarray:
+    """group[array][rows]; a chunk whose crc32c (or decompression) fails is a ChunkError naming it."""
+    arr = group[array]
+    try:
+        return arr[rows]
+    except (ValueError, RuntimeError) as e:  # crc32c: ValueError "checksum do not match"; Blosc: RuntimeError
+        start, stop, _ = rows.indices(arr.shape[0])
+        n = arr.chunks[0]
+        bad = [i for i in range(start // n, (stop - 1) // n + 1) if _chunk_fails(arr, i)]
+        raise ChunkError(root, shard, array, f"chunk {', '.join(map(str, bad)) or '?'} fails its {CHECKSUM} check "
+                                             f"(damaged or truncated: {type(e).__name__})") from None
+
+
+def _chunk_fails(arr, i: int) -> bool:
+    try:
+        arr[i * arr.chunks[0]: (i + 1) * arr.chunks[0]]
+        return False
+    except (ValueError, RuntimeError):
+        return True
+
+
+def missing_chunks(shard_dir: Path, group, array: str) -> list[str]:
+    """Chunk files of `array` that should exist (every chunk is written) but do not."""
+    arr = group[array]
+    keys = (arr.metadata.encode_chunk_key((i,) + (0,) * (arr.ndim - 1)) for i in range(arr.cdata_shape[0]))
+    return [f"{array}/{k}" for k in keys if not (Path(shard_dir) / array / k).is_file()]
+
+
+def verify_store(root: Path | str) -> list[dict]:
+    """Read and check every chunk of every committed shard; one {shard, array, chunk, problem} per bad chunk."""
+    root = Path(root)
+    manifest = read_manifest(root)
+    if manifest is None:
+        raise StoreError(f"no feature store at {root} (no {MANIFEST})")
+    bad = []
+    for s in manifest["shards"]:
+        try:
+            group = zarr.open_group(str(root / s["name"]), mode="r")
+        except (FileNotFoundError, ValueError, KeyError) as e:
+            bad.append({"shard": s["name"], "array": "(group)", "chunk": None, "problem": f"cannot be opened: {e}"})
+            continue
+        for array in ARRAYS:
+            if array not in group:
+                bad.append({"shard": s["name"], "array": array, "chunk": None, "problem": "array missing"})
+                continue
+            missing = set(missing_chunks(root / s["name"], group, array))
+            arr = group[array]
+            for i in range(arr.cdata_shape[0]):
+                key = f"{array}/{arr.metadata.encode_chunk_key((i,) + (0,) * (arr.ndim - 1))}"
+                if key in missing:
+                    bad.append({"shard": s["name"], "array": array, "chunk": i, "problem": "chunk file missing"})
+                    continue
+                if _chunk_fails(arr, i):
+                    bad.append({"shard": s["name"], "array": array, "chunk": i,
+                                "problem": f"fails its {CHECKSUM} check (damaged or truncated)"})
+    return bad

@@ -105,3 +105,24 @@ def test_split_syntax():
     assert list(_split_indices(10, "train[2:4]")) == [2, 3]
     with pytest.raises(UserError):
         _split_indices(10, "train[[")
+
+
+def test_a_split_name_other_than_train_is_refused_for_a_file_source(tmp_path):
+    path = write_jsonl(tmp_path / "d.jsonl", [json.dumps(GOOD).encode()] * 3)
+    with pytest.raises(UserError, match=r"data.split='trian': a sharegpt source has one split, train"):
+        load_conversations(data_cfg(path, split="trian"))
+    with pytest.raises(UserError, match="one split, train"):
+        load_conversations(data_cfg(None, "chitchat", split="validation"))
+    assert len(load_conversations(data_cfg(path, split="train[:2]"))[0]) == 2
+
+
+def test_a_json_array_in_a_jsonl_file_is_one_clear_error_not_a_skip_per_line(tmp_path):
+    path = tmp_path / "d.jsonl"
+    path.write_text(json.dumps([GOOD, GOOD], indent=1))
+    with pytest.raises(UserError, match=r"holds a JSON array \(it starts with '\['\).*name it .json"):
+        load_conversations(data_cfg(path))
+
+
+def test_data_path_that_is_a_directory_is_a_user_error(tmp_path):
+    with pytest.raises(UserError, match="is a directory; data=sharegpt reads one .json or .jsonl file"):
+        load_conversations(data_cfg(tmp_path))

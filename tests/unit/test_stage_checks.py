@@ -3,7 +3,7 @@ naming every bad key, before the stage touches anything."""
 
 import pytest
 
-from pipeline import evaluate, export, train
+from pipeline import evaluate, export, train, vocab
 from pipeline.errors import UserError
 
 
@@ -18,13 +18,15 @@ from pipeline.errors import UserError
     (export, ["export.serve.num_steps=0", "export.serve.topk=-1"],
      r"export.serve.num_steps=0 must be >= 1.*; export.serve.topk=-1 must be >= 1"),  # B13: landed in serve.sh
     (export, ["export.engines=[sglang,vlm]"], r"export.engines: 'vlm' is not one of \['sglang', 'vllm'\]"),
+    # the default 32000 with target=tiny was refused only after prepare and extract ran
+    (vocab, ["vocab.draft_vocab_size=32000"], r"vocab.draft_vocab_size=32000: must be in \[1, 1024\]"),
 ])
 def test_bad_settings_are_refused_before_the_stage_works(make_cfg, stage, overrides, message):
     with pytest.raises(UserError, match=message):
         stage.check(make_cfg("+experiment=tiny", *overrides))
 
 
-@pytest.mark.parametrize("stage", [train, evaluate, export])
+@pytest.mark.parametrize("stage", [train, evaluate, export, vocab])
 def test_the_shipped_experiments_pass_their_checks(make_cfg, stage):
     for experiment in ("tiny", "demo", "gpu_smollm2"):
         stage.check(make_cfg(f"+experiment={experiment}"))
@@ -45,3 +47,21 @@ def test_a_path_given_to_the_tiny_target_is_refused_not_ignored(make_cfg, tmp_pa
 
     with pytest.raises(UserError, match="target.path=/nope with target.source=tiny"):
         targets.resolve(make_cfg("target=tiny", "target.path=/nope").target, tmp_path)
+
+
+def test_stage_all_with_no_held_out_samples_is_refused_before_anything_runs(make_cfg, tmp_path):
+    from pipeline.stages import run_stages
+
+    with pytest.raises(UserError, match="train.val_fraction=0 holds out no samples, and evaluate prompts only"):
+        run_stages(make_cfg("+experiment=tiny", "train.val_fraction=0", run_dir=tmp_path / "r"))
+    assert not (tmp_path / "r").exists()
+
+
+def test_evaluate_of_a_draft_trained_without_held_out_samples_names_val_fraction_not_prompt_tokens(make_cfg, tmp_path):
+    import json
+
+    final = tmp_path / "train" / "final"
+    final.mkdir(parents=True)
+    (final / "train_summary.json").write_text(json.dumps({"val_samples": []}))
+    with pytest.raises(UserError, match=r"trained with no held-out samples \(train.val_fraction=0\)"):
+        evaluate.heldout_prompts(make_cfg("+experiment=tiny", run_dir=tmp_path), store=None, n=3, prompt_tokens=512)

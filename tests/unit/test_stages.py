@@ -5,6 +5,7 @@ runner's decisions only, in milliseconds.
 """
 
 import json
+import logging
 import sys
 import types
 
@@ -171,3 +172,16 @@ def test_records_are_written_whole_and_read_back(tmp_path):
 def test_selected_is_the_order_for_all_and_the_stage_alone_otherwise():
     assert stages.selected("all") == ["prepare", "extract", "vocab", "train", "export", "evaluate"]
     assert stages.selected("export") == ["export"]
+
+
+def test_a_skipped_stage_whose_input_is_gone_says_so(make_cfg, tmp_path, caplog):
+    """Deleting features/manifest.json then stage=vocab (or train) once said only "up to date, skipped"."""
+    cfg = make_cfg("+experiment=tiny", "stage=vocab", run_dir=tmp_path)
+    (tmp_path / "vocab").mkdir()
+    (tmp_path / "vocab" / "manifest.json").write_text(json.dumps({"draft_vocab_size": 256}))
+    from pipeline import vocab
+    stages.write_record(tmp_path, "vocab", {"fingerprint": vocab.fingerprint(cfg)})  # as if built, then features deleted
+    caplog.set_level(logging.INFO)
+    stages.run_stages(cfg)
+    assert "stage vocab: up to date" in caplog.text
+    assert f"1 of its inputs are gone ({tmp_path}/features/manifest.json)" in caplog.text

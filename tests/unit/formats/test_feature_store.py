@@ -93,3 +93,75 @@ def test_reader_rejects_an_unknown_schema(tmp_path):
     (tmp_path / "manifest.json").write_text(json.dumps(m))
     with pytest.raises(fs.StoreError, match="schema 99"):
         fs.FeatureStore(tmp_path)
+
+
+# ---- checksums (#12 B4, B5): every chunk carries a crc32c; a damaged one is found, never read as data
+def _flip(path, at=-8):
+    b = bytearray(path.read_bytes())
+    b[at] ^= 0xFF
+    path.write_bytes(bytes(b))
+
+
+@pytest.mark.parametrize("compressor", ["blosc_zstd", "none"])
+def test_a_flipped_byte_in_a_chunk_stops_the_reader_naming_shard_and_array(tmp_path, compressor):
+    _write(tmp_path, [5, 1, 7], compressor)
+    _flip(tmp_path / "shard-00000.zarr/aux_hidden/c/0/0")
+    store = fs.FeatureStore(tmp_path)
+    with pytest.raises(fs.ChunkError, match=r"shard-00000.zarr/aux_hidden: chunk 0 fails its crc32c check.*"
+                                            r"extract.repair=true"):
+        store.sample(0)
+    assert store.sample(2)["aux_hidden"].shape == (7, 8)  # other chunks still read
+
+
+def test_a_truncated_chunk_stops_the_reader(tmp_path):
+    _write(tmp_path, [5, 1, 7])
+    path = tmp_path / "shard-00000.zarr/last_hidden/c/1/0"
+    path.write_bytes(path.read_bytes()[:7])
+    with pytest.raises(fs.ChunkError, match="last_hidden: chunk 1 fails"):
+        fs.FeatureStore(tmp_path).sample(0)  # tokens 0..4 span chunks 0 and 1 (3 tokens each): 1 is named
+
+
+def test_a_missing_chunk_file_is_damage_not_zeros(tmp_path):
+    _write(tmp_path, [5, 1, 7])
+    (tmp_path / "shard-00000.zarr/loss_mask/c/0").unlink()  # zarr would read a missing chunk as fill_value
+    with pytest.raises(fs.ChunkError, match="loss_mask: 1 chunk file"):
+        fs.FeatureStore(tmp_path).sample(2)
+
+
+def test_all_zero_chunks_are_written_so_a_missing_one_is_detectable(tmp_path):
+    g = torch.Generator().manual_seed(0)
+    manifest = fs.open_for_writing(tmp_path, FACTS)
+    writer = fs.ShardWriter(tmp_path, fs.ShardSpec(0, 0, [6]), FACTS, (8, 4), chunk_tokens=3)
+    writer.write(0, np.zeros(6), np.zeros(6), torch.zeros(6, 8).bfloat16(), torch.randn(6, 4, generator=g).bfloat16())
+    writer.commit(manifest)
+    assert fs.verify_store(tmp_path) == []
+    assert (tmp_path / "shard-00000.zarr/loss_mask/c/1").is_file()
+
+
+def test_verify_store_lists_every_bad_chunk_and_passes_a_good_store(tmp_path):
+    _write(tmp_path, [5, 1, 7])
+    assert fs.verify_store(tmp_path) == []
+    _flip(tmp_path / "shard-00000.zarr/aux_hidden/c/3/0")
+    path = tmp_path / "shard-00000.zarr/input_ids/c/2"
+    path.write_bytes(path.read_bytes()[:3])
+    bad = {(b["array"], b["chunk"]) for b in fs.verify_store(tmp_path)}
+    assert bad == {("aux_hidden", 3), ("input_ids", 2)}
+
+
+def test_the_manifest_records_the_checksum_scheme(tmp_path):
+    _write(tmp_path, [3])
+    m = json.loads((tmp_path / "manifest.json").read_text())
+    assert m["schema_version"] == 2 and m["checksum"] == "crc32c"
+
+
+def test_a_store_from_before_checksums_is_refused_with_the_fix(tmp_path):
+    _write(tmp_path, [3])
+    m = json.loads((tmp_path / "manifest.json").read_text())
+    m["schema_version"] = 1
+    (tmp_path / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(fs.StoreError, match="before chunk checksums.*extract.overwrite=true"):
+        fs.FeatureStore(tmp_path)
+    with pytest.raises(fs.StoreError, match="schema 1"):
+        fs.open_for_writing(tmp_path, FACTS)  # never resumed into
+    fs.open_for_writing(tmp_path, FACTS, overwrite=True)
+    assert json.loads((tmp_path / "manifest.json").read_text())["schema_version"] == 2
