@@ -52,7 +52,9 @@ def fakes(monkeypatch):
 
 
 def cfg_for(stage, run_dir):
-    return OmegaConf.create({"stage": stage, "run_dir": str(run_dir)})
+    # the sections the runner's own cross-stage checks read (resume vs a rebuilt vocab, the held-out split)
+    return OmegaConf.create({"stage": stage, "run_dir": str(run_dir), "train": {"resume": "auto", "val_fraction": 0.1},
+                             "vocab": {"draft_vocab_size": 8}})
 
 
 def runs(calls):
