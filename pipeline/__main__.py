@@ -26,7 +26,7 @@ _job = {"started": False}  # set once the task function runs: what fails after t
 
 @hydra.main(version_base="1.3", config_path=str(CONF), config_name="config")
 def app(cfg: DictConfig) -> None:
-    from pipeline.stages import run_stages
+    from pipeline.runner import run_stages
 
     _job["started"] = True
     try:
@@ -106,7 +106,7 @@ TOOL_HYDRA = ["hydra.output_subdir=null", "hydra/job_logging=stdout", "hydra.run
 
 
 def main() -> None:
-    from pipeline.stages import TOOLS
+    from pipeline.runner import TOOLS
 
     # `eaglepipe verify export_dir=...` is `eaglepipe stage=verify export_dir=...`
     if len(sys.argv) > 1 and "=" not in sys.argv[1] and not sys.argv[1].startswith("-"):

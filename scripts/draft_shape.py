@@ -10,9 +10,9 @@ from hydra import compose, initialize_config_dir
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from pipeline import draft  # noqa: E402
+from pipeline.models import draft  # noqa: E402
 from pipeline.config import register  # noqa: E402
-from pipeline.extract import aux_layer_ids  # noqa: E402
+from pipeline.stages.extract import aux_layer_ids  # noqa: E402
 
 register()
 with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):

@@ -31,13 +31,13 @@ def make_cfg(cache_dir):
 
 @pytest.fixture(scope="session")
 def tiny_folder(make_cfg, cache_dir):
-    from pipeline import targets
+    from pipeline.models import targets
     return targets.resolve(make_cfg("target=tiny").target, cache_dir)
 
 
 @pytest.fixture(scope="session")
 def smol_folder(make_cfg, cache_dir):
-    from pipeline import targets
+    from pipeline.models import targets
     return targets.resolve(make_cfg("target=smollm2").target, cache_dir)
 
 
@@ -45,7 +45,7 @@ def smol_folder(make_cfg, cache_dir):
 def exported_run(make_cfg, tmp_path_factory):
     """One tiny run through export (both layouts, each verified in its engine's own class): (run_dir, facts)."""
     from pipeline.formats.feature_store import FeatureStore
-    from pipeline.stages import run_stages
+    from pipeline.runner import run_stages
 
     run_dir = tmp_path_factory.mktemp("exported_run")
     for stage in ("prepare", "extract", "vocab", "train", "export"):

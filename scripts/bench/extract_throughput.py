@@ -21,7 +21,8 @@ from hydra import compose, initialize_config_dir
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
-from pipeline import extract, prepare, targets  # noqa: E402
+from pipeline.stages import extract, prepare  # noqa: E402
+from pipeline.models import targets
 from pipeline.engines import hf_capture  # noqa: E402
 from pipeline.formats import prepared  # noqa: E402
 from pipeline.config import register  # noqa: E402

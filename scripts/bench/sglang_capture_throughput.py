@@ -22,7 +22,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
-from pipeline import extract  # noqa: E402
+from pipeline.stages import extract  # noqa: E402
 from pipeline.engines import hf_capture  # noqa: E402
 from pipeline.engines import sglang_capture as sc  # noqa: E402
 from pipeline.formats import prepared  # noqa: E402

@@ -1,7 +1,7 @@
 """Serve an eaglepipe export in a REAL SGLang server and record what SGLang itself does (issue #10, item 4 and 6).
 
 For the good export, the good export launched with EAGLE instead of EAGLE3, and each seed-failure mutation of
-tests/mutations.py: the engine-free eaglepipe checks (pipeline.verify.check_export, pipeline.doctor.diagnose
+tests/mutations.py: the engine-free eaglepipe checks (pipeline.tools.verify.check_export, pipeline.tools.doctor.diagnose
 on the launch line) BEFORE serving, then the server itself: did it start, the lines of its log that mention
 errors/warnings/weights/keys/aux, and the accept length over the held-out eval prompts (greedy, /generate:
 completion_tokens / meta_info.spec_verify_ct), and whether its greedy output equals the plain server's.
@@ -176,8 +176,8 @@ def compare(outputs: list, reference: list) -> dict:
 
 def cpu_checks(folder: Path, line: str) -> dict:
     """What eaglepipe says before anything is served: check_export (engine-free) and doctor on the line."""
-    from pipeline.doctor import diagnose
-    from pipeline.verify import check_export, read_export
+    from pipeline.tools.doctor import diagnose
+    from pipeline.tools.verify import check_export, read_export
 
     _, facts = read_export(folder)
     try:
@@ -193,7 +193,7 @@ def cpu_checks(folder: Path, line: str) -> dict:
 
 def engine_check(folder: Path, target: str, algorithm: str, want_ids: list[int]) -> dict:
     """pipeline.engines.sglang_verify under THIS box's SGLang (the bundle's): its own class and loader, on CPU."""
-    from pipeline.verify import engine_problems
+    from pipeline.tools.verify import engine_problems
 
     t0 = time.time()
     try:
@@ -390,7 +390,7 @@ def write_prompts(prompts_file: Path, ov: list[str], run_dir: Path) -> None:
     from hydra import compose, initialize_config_dir
 
     from pipeline.config import register
-    from pipeline.evaluate import heldout_prompts
+    from pipeline.stages.evaluate import heldout_prompts
     from pipeline.formats import feature_store as fs
 
     register()

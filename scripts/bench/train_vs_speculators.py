@@ -22,10 +22,11 @@ from safetensors.torch import load_file
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
-from pipeline import draft, targets, train  # noqa: E402
+from pipeline.models import draft, targets  # noqa: E402
+from pipeline.stages import train
 from pipeline.config import register  # noqa: E402
-from pipeline.features_dataset import PackDataset, collate, plan_packs, split  # noqa: E402
-from pipeline.stages import run_stages  # noqa: E402
+from pipeline.data.features_dataset import PackDataset, collate, plan_packs, split  # noqa: E402
+from pipeline.runner import run_stages  # noqa: E402
 
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"  # speculators' Trainer itself needs CUDA

@@ -15,7 +15,7 @@ import os
 import pytest
 import torch
 
-from pipeline.stages import run_stages
+from pipeline.runner import run_stages
 
 pytestmark = pytest.mark.requires_sglang_gpu
 

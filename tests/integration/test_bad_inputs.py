@@ -10,9 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from pipeline import export, verify
+from pipeline.stages import export
+from pipeline.tools import verify
 from pipeline.errors import UserError
-from pipeline.verify import check_export
+from pipeline.tools.verify import check_export
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
@@ -127,7 +128,7 @@ def finished_copy(exported_run, tmp_path):
 
 
 def test_stage_all_with_another_draft_vocab_size_is_refused_before_anything_is_replaced(finished_copy, make_cfg):
-    from pipeline.stages import run_stages
+    from pipeline.runner import run_stages
 
     before = {d: _tree(finished_copy / d) for d in ("vocab", "train", "export")}
     with pytest.raises(UserError, match=r"vocab.draft_vocab_size=128 would rebuild .*vocab \(now 256 tokens\).*"
@@ -137,7 +138,7 @@ def test_stage_all_with_another_draft_vocab_size_is_refused_before_anything_is_r
 
 
 def test_resuming_checkpoints_of_another_vocab_size_is_one_line_and_resume_never_retrains(finished_copy, make_cfg):
-    from pipeline.stages import run_stages
+    from pipeline.runner import run_stages
 
     run_stages(make_cfg(*RUN, "vocab.draft_vocab_size=128", "stage=vocab", run_dir=finished_copy))
     steps = sorted(p.name for p in (finished_copy / "train").glob("step_*"))

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from pipeline.errors import UserError
-from pipeline.stages import read_records, run_stages
+from pipeline.runner import read_records, run_stages
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]

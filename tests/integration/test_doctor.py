@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.doctor import diagnose
+from pipeline.tools.doctor import diagnose
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]

@@ -7,11 +7,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from pipeline import draft, targets, train
-from pipeline.offline_bench import ExportedDraft
-from pipeline.features_dataset import collate
+from pipeline.models import draft, targets
+from pipeline.stages import train
+from pipeline.acceptance.offline import ExportedDraft
+from pipeline.data.features_dataset import collate
 from pipeline.formats import export_layouts as lay
-from pipeline.stages import run_stages
+from pipeline.runner import run_stages
 
 pytestmark = pytest.mark.slow
 

@@ -12,7 +12,8 @@ import pytest
 import torch
 import zarr
 
-from pipeline import extract, prepare, targets
+from pipeline.stages import extract, prepare
+from pipeline.models import targets
 from pipeline.errors import UserError
 from pipeline.formats import prepared
 from pipeline.formats.feature_store import FeatureStore

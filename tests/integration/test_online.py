@@ -13,7 +13,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from pipeline.errors import UserError
-from pipeline.stages import run_stages
+from pipeline.runner import run_stages
 
 pytestmark = pytest.mark.slow
 

@@ -6,10 +6,11 @@ from http.server import BaseHTTPRequestHandler, HTTPServer
 
 import pytest
 
-from pipeline import prepare, targets
+from pipeline.stages import prepare
+from pipeline.models import targets
 from pipeline.formats.prepared import load as load_prepared
-from pipeline.prepare import tokenize_with_mask
-from pipeline.sources import load_conversations
+from pipeline.stages.prepare import tokenize_with_mask
+from pipeline.data.sources import load_conversations
 
 pytestmark = pytest.mark.slow
 

@@ -10,9 +10,9 @@ import torch
 
 from pipeline.errors import UserError
 from pipeline.formats.feature_store import FeatureStore
-from pipeline.parity import compare, relative_errors
-from pipeline.stages import run_stages
-from pipeline.verify import ENGINES_PYTHON
+from pipeline.tools.parity import compare, relative_errors
+from pipeline.runner import run_stages
+from pipeline.tools.verify import ENGINES_PYTHON
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]

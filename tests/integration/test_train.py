@@ -11,10 +11,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from pipeline import draft, train
-from pipeline.features_dataset import collate, plan_packs
+from pipeline.models import draft
+from pipeline.stages import train
+from pipeline.data.features_dataset import collate, plan_packs
 from pipeline.formats.feature_store import FeatureStore
-from pipeline.stages import run_stages
+from pipeline.runner import run_stages
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
@@ -40,8 +41,8 @@ def test_trained_draft_beats_an_untrained_one_on_held_out_samples(tiny_run):
 
 
 def test_the_validation_split_is_recorded_and_evaluate_prompts_only_from_it(tiny_run):
-    from pipeline.evaluate import heldout_prompts
-    from pipeline.features_dataset import split
+    from pipeline.stages.evaluate import heldout_prompts
+    from pipeline.data.features_dataset import split
 
     cfg, run_dir = tiny_run
     summary = json.loads((run_dir / "train" / "final" / "train_summary.json").read_text())
@@ -103,7 +104,7 @@ def test_packing_isolates_documents(tiny_run):
     store = FeatureStore(run_dir / "features")
     store_facts_folder = Path(store.facts["target_path"])
     d2t, t2d, _ = train.load_inputs(cfg)[1:]
-    from pipeline import targets
+    from pipeline.models import targets
     model = draft.build(store_facts_folder, targets.load_config(store_facts_folder, cfg.target), store.aux_layer_ids,
                         d2t, t2d, 3).eval()
     batch = collate(store, [0, 1], 10_000)

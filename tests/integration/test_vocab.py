@@ -4,10 +4,10 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline import train
+from pipeline.stages import train
 from pipeline.errors import UserError
 from pipeline.formats.feature_store import FeatureStore
-from pipeline.stages import run_stages
+from pipeline.runner import run_stages
 
 pytestmark = pytest.mark.slow
 

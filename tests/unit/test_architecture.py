@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.stages import ORDER
+from pipeline.runner import ORDER
 
 PKG = Path(__file__).resolve().parents[2] / "pipeline"
 
@@ -27,20 +27,29 @@ def imported_modules(path: Path) -> set[str]:
 
 
 def stage_imports(path: Path, own: str) -> list[str]:
-    forbidden = {f"pipeline.{s}" for s in ORDER if s != own} | {"pipeline.stages"}
+    forbidden = {f"pipeline.stages.{s}" for s in ORDER if s != own} | {"pipeline.runner"}
     return sorted(m for m in imported_modules(path) if m in forbidden or any(m.startswith(f + ".") for f in forbidden))
 
 
 @pytest.mark.parametrize("stage", ORDER)
 def test_a_stage_imports_no_other_stage_and_not_the_runner(stage):
-    assert stage_imports(PKG / f"{stage}.py", stage) == []
+    assert stage_imports(PKG / "stages" / f"{stage}.py", stage) == []
 
 
 def test_the_check_sees_imports_at_any_depth(tmp_path):
     f = tmp_path / "fake.py"
-    f.write_text("from pipeline import prepare\nimport pipeline.stages\ndef g():\n    from pipeline.extract import Capture\n")
-    assert stage_imports(f, "evaluate") == ["pipeline.extract", "pipeline.extract.Capture", "pipeline.prepare",
-                                            "pipeline.stages"]
+    f.write_text("from pipeline.stages import prepare\nimport pipeline.runner\ndef g():\n"
+                 "    from pipeline.stages.extract import Capture\n")
+    assert stage_imports(f, "evaluate") == ["pipeline.runner", "pipeline.stages.extract",
+                                            "pipeline.stages.extract.Capture", "pipeline.stages.prepare"]
+
+
+def test_the_folders_are_the_map_in_docs_stages_md():
+    """Each folder of pipeline/ holds what docs/stages.md says it holds: the stages exactly ORDER."""
+    assert sorted(p.stem for p in (PKG / "stages").glob("*.py") if p.stem != "__init__") == sorted(ORDER)
+    doc = (PKG.parent / "docs" / "stages.md").read_text()
+    for folder in sorted(p.name for p in PKG.iterdir() if p.is_dir() and not p.name.startswith("__")):
+        assert f"`pipeline/{folder}/`" in doc, f"docs/stages.md has no paragraph for pipeline/{folder}/"
 
 
 MAX_FUNCTION_LINES = 80  # issue #11: "no function in pipeline/ is longer than 80 lines"

@@ -3,7 +3,7 @@ import pytest
 
 from pipeline.errors import UserError
 from pipeline.engines.hf_capture import aux_layer_ids, default_aux_layers
-from pipeline.extract import plan_batches, plan_shards
+from pipeline.stages.extract import plan_batches, plan_shards
 
 
 def test_default_aux_layers_match_the_engines_defaults():

@@ -7,7 +7,8 @@ import sys
 
 import pytest
 
-from pipeline import evaluate, stages, train
+from pipeline.stages import evaluate, train
+from pipeline import runner as stages
 from pipeline.fingerprint import shaping
 
 
@@ -69,7 +70,7 @@ def finished_train(make_cfg, tmp_path, monkeypatch):
     cfg = make_cfg("+experiment=tiny", "stage=train", run_dir=tmp_path)
     stages.write_record(tmp_path, "train", {"fingerprint": train.fingerprint(cfg)})
     ran = []
-    monkeypatch.setattr(sys.modules["pipeline.train"], "run", lambda cfg: ran.append(cfg) or tmp_path / "train")
+    monkeypatch.setattr(sys.modules["pipeline.stages.train"], "run", lambda cfg: ran.append(cfg) or tmp_path / "train")
     return tmp_path, ran
 
 
@@ -87,7 +88,7 @@ def test_changing_lr_reruns_train(make_cfg, finished_train):
 
 
 def test_sglang_knobs_shape_only_sglang_stores(make_cfg, tmp_path):
-    from pipeline import extract
+    from pipeline.stages import extract
     hf = fp(extract, make_cfg, tmp_path)
     assert fp(extract, make_cfg, tmp_path, "extract.sglang_attention_backend=triton") == hf
     assert fp(extract, make_cfg, tmp_path, "extract.sglang_mem_fraction=0.3") == hf

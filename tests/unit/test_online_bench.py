@@ -1,9 +1,9 @@
-"""The online bench's reading of a vLLM server's Prometheus counters (pipeline/online_bench.py), on text in
+"""The online bench's reading of a vLLM server's Prometheus counters (pipeline/acceptance/online.py), on text in
 vLLM 0.33's /metrics format, and the accept length it makes of their before/after difference."""
 
 import pytest
 
-from pipeline import online_bench
+from pipeline.acceptance import online as online_bench
 from pipeline.errors import UserError
 
 HEAD = """\

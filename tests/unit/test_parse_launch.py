@@ -2,7 +2,7 @@
 
 import pytest
 
-from pipeline.doctor import parse_launch
+from pipeline.tools.doctor import parse_launch
 from pipeline.errors import UserError
 
 

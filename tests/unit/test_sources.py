@@ -4,7 +4,7 @@ from types import SimpleNamespace
 import pytest
 
 from pipeline.errors import UserError
-from pipeline.sources import _split_indices, chitchat_conversations, load_conversations
+from pipeline.data.sources import _split_indices, chitchat_conversations, load_conversations
 
 
 def data_cfg(path, fmt="sharegpt", on_error="skip", **kw):

@@ -3,7 +3,7 @@ naming every bad key, before the stage touches anything."""
 
 import pytest
 
-from pipeline import evaluate, export, train, vocab
+from pipeline.stages import evaluate, export, train, vocab
 from pipeline.errors import UserError
 
 
@@ -33,7 +33,7 @@ def test_the_shipped_experiments_pass_their_checks(make_cfg, stage):
 
 
 def test_stage_all_reports_every_stage_problem_before_anything_runs(make_cfg, tmp_path):
-    from pipeline.stages import run_stages
+    from pipeline.runner import run_stages
 
     cfg = make_cfg("+experiment=tiny", "train.lr=0", "eval.max_draft=0", "export.serve.topk=0", run_dir=tmp_path / "r")
     with pytest.raises(UserError) as e:
@@ -43,14 +43,14 @@ def test_stage_all_reports_every_stage_problem_before_anything_runs(make_cfg, tm
 
 
 def test_a_path_given_to_the_tiny_target_is_refused_not_ignored(make_cfg, tmp_path):
-    from pipeline import targets
+    from pipeline.models import targets
 
     with pytest.raises(UserError, match="target.path=/nope with target.source=tiny"):
         targets.resolve(make_cfg("target=tiny", "target.path=/nope").target, tmp_path)
 
 
 def test_stage_all_with_no_held_out_samples_is_refused_before_anything_runs(make_cfg, tmp_path):
-    from pipeline.stages import run_stages
+    from pipeline.runner import run_stages
 
     with pytest.raises(UserError, match="train.val_fraction=0 holds out no samples, and evaluate prompts only"):
         run_stages(make_cfg("+experiment=tiny", "train.val_fraction=0", run_dir=tmp_path / "r"))

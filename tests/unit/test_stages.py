@@ -1,4 +1,4 @@
-"""The stage runner (pipeline/stages.py): order, skipping by fingerprint, the preflight, tools vs stages.
+"""The stage runner (pipeline/runner.py): order, skipping by fingerprint, the preflight, tools vs stages.
 
 Each stage module is replaced by a fake that records what the runner asked of it, so these tests see the
 runner's decisions only, in milliseconds.
@@ -12,7 +12,7 @@ import types
 import pytest
 from omegaconf import OmegaConf
 
-from pipeline import stages
+from pipeline import runner as stages
 from pipeline.errors import UserError
 
 
@@ -23,7 +23,7 @@ class Fake:
         self.name, self.calls, self.fp, self.complete, self.problem = name, calls, fp, complete, problem
 
     def module(self):
-        m = types.ModuleType(f"pipeline.{self.name}")
+        m = types.ModuleType(f"pipeline.fake.{self.name}")
         m.fingerprint = lambda cfg: self.fp
         m.is_complete = lambda cfg: self.complete
         m.run = self.run
@@ -45,7 +45,8 @@ def fakes(monkeypatch):
     calls = []
     made = {name: Fake(name, calls) for name in stages.ORDER + stages.TOOLS}
     for name, fake in made.items():
-        monkeypatch.setitem(sys.modules, f"pipeline.{name}", fake.module())
+        pkg = "tools" if name in stages.TOOLS else "stages"
+        monkeypatch.setitem(sys.modules, f"pipeline.{pkg}.{name}", fake.module())
     reported = []
     monkeypatch.setattr("pipeline.summary.report", lambda run_dir, order, ran: reported.append((list(order), set(ran))))
     return types.SimpleNamespace(made=made, calls=calls, reported=reported)
@@ -149,7 +150,7 @@ def test_a_stage_without_check_is_run_plainly(fakes, monkeypatch, tmp_path):
     calls = fakes.calls
     m = made["vocab"].module()
     del m.check
-    monkeypatch.setitem(sys.modules, "pipeline.vocab", m)
+    monkeypatch.setitem(sys.modules, "pipeline.stages.vocab", m)
     stages.run_stages(cfg_for("vocab", tmp_path))
     assert calls == [("run", "vocab")]
 
@@ -181,7 +182,7 @@ def test_a_skipped_stage_whose_input_is_gone_says_so(make_cfg, tmp_path, caplog)
     cfg = make_cfg("+experiment=tiny", "stage=vocab", run_dir=tmp_path)
     (tmp_path / "vocab").mkdir()
     (tmp_path / "vocab" / "manifest.json").write_text(json.dumps({"draft_vocab_size": 256}))
-    from pipeline import vocab
+    from pipeline.stages import vocab
     stages.write_record(tmp_path, "vocab", {"fingerprint": vocab.fingerprint(cfg)})  # as if built, then features deleted
     caplog.set_level(logging.INFO)
     stages.run_stages(cfg)

@@ -6,7 +6,7 @@ from types import SimpleNamespace
 import pytest
 from omegaconf import OmegaConf
 
-from pipeline import train
+from pipeline.stages import train
 from pipeline.config import Resume, TrainConfig
 from pipeline.errors import UserError
 from pipeline.formats import checkpoint as ckpt

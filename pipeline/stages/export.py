@@ -2,7 +2,7 @@
 
 run_dir/export/<engine>/: config.json, model.safetensors (bf16 weights, d2t int64, t2d bool), serve.sh,
 export_manifest.json (what produced it, aux ids in eaglepipe and engine numbering, tensor std/norm table).
-Every export is verified before it is published (pipeline/verify.py: engine-free checks, then the engine's
+Every export is verified before it is published (pipeline/tools/verify.py: engine-free checks, then the engine's
 own class and loader unless export.verify_in_engine=false); `eaglepipe verify` repeats that on any export.
 """
 
@@ -19,7 +19,8 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from pipeline import __version__, verify
+from pipeline import __version__
+from pipeline.tools import verify
 from pipeline.errors import UserError
 from pipeline.formats import export_layouts as lay
 from pipeline.formats import feature_store as fs

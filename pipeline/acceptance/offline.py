@@ -19,8 +19,8 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
-from pipeline import draft as draft_lib
-from pipeline import targets
+from pipeline.models import draft as draft_lib
+from pipeline.models import targets
 from pipeline.engines.hf_capture import Capture
 from pipeline.errors import UserError
 from pipeline.formats import export_layouts as lay

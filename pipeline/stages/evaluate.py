@@ -1,9 +1,9 @@
 """Stage `evaluate`: how many tokens the exported draft gets accepted, on the prompts train held out.
 
 Two benches, one entry shape (`measure(cfg, store, prompts, out)`):
-- offline (default, no server): pipeline/offline_bench.py, greedy chain speculative decoding with the local
+- offline (default, no server): pipeline/acceptance/offline.py, greedy chain speculative decoding with the local
   target and the SGLang export read by a reference forward -> eval/acceptance.json (tau per draft length);
-- online (`eval.endpoint=`): pipeline/online_bench.py, a running SGLang/vLLM server's own counters, and the
+- online (`eval.endpoint=`): pipeline/acceptance/online.py, a running SGLang/vLLM server's own counters, and the
   speedup over `eval.baseline_endpoint` -> eval/online.json.
 """
 
@@ -15,9 +15,9 @@ from pathlib import Path
 
 import torch
 
-from pipeline import offline_bench, online_bench
+from pipeline.acceptance import offline as offline_bench, online as online_bench
 from pipeline.errors import UserError
-from pipeline.features_dataset import split
+from pipeline.data.features_dataset import split
 from pipeline.fingerprint import digest, shaping
 from pipeline.formats import feature_store as fs
 

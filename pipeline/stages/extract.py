@@ -24,7 +24,8 @@ import torch
 from omegaconf import OmegaConf
 from tqdm import tqdm
 
-from pipeline import __version__, targets
+from pipeline import __version__
+from pipeline.models import targets
 from pipeline.errors import UserError
 from pipeline.formats import feature_store as fs
 from pipeline.engines.hf_capture import CONVENTION, Capture, aux_layer_ids, pad_batch

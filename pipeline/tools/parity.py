@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
-from pipeline import extract
+from pipeline.stages import extract
 from pipeline.errors import UserError
 from pipeline.formats import feature_store as fs
 

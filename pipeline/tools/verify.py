@@ -27,7 +27,7 @@ from pipeline.formats import export_layouts as lay
 from pipeline.formats import vocab_map
 
 log = logging.getLogger(__name__)
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]  # pipeline/tools/verify.py -> the repo root
 # Both engines on CPU in one virtualenv (scripts/setup_engines.sh, requirements-engines.txt)
 ENGINES_PYTHON = ROOT / lay.ENGINES["sglang"].venv / "bin" / "python"
 ENGINE_MODULE = {name: e.verify_module for name, e in lay.ENGINES.items()}

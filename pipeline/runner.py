@@ -61,7 +61,7 @@ def preflight(cfg, names: list[str]) -> None:
         problems.append("train.val_fraction=0 holds out no samples, and evaluate prompts only from held-out ones: "
                         "set train.val_fraction > 0, or run the stages up to export")
     for name in names:
-        check = getattr(importlib.import_module(f"pipeline.{name}"), "check", None)
+        check = getattr(importlib.import_module(f"pipeline.stages.{name}"), "check", None)
         if check is None:
             continue
         try:
@@ -99,7 +99,7 @@ def run_stages(cfg) -> None:
 
 def _run_stages(cfg, stage: str) -> None:
     if stage in TOOLS:
-        importlib.import_module(f"pipeline.{stage}").run(cfg)
+        importlib.import_module(f"pipeline.tools.{stage}").run(cfg)
         return
     names = selected(stage)
     preflight(cfg, names)
@@ -107,7 +107,7 @@ def _run_stages(cfg, stage: str) -> None:
     run_dir.mkdir(parents=True, exist_ok=True)
     ran = set()
     for name in names:
-        module = importlib.import_module(f"pipeline.{name}")
+        module = importlib.import_module(f"pipeline.stages.{name}")
         fp = module.fingerprint(cfg)
         old = read_records(run_dir).get(name)
         if old and old["fingerprint"] == fp and module.is_complete(cfg):

@@ -14,7 +14,7 @@ import shlex
 from pathlib import Path
 
 from pipeline.errors import UserError
-from pipeline.verify import check_export, read_export
+from pipeline.tools.verify import check_export, read_export
 
 log = logging.getLogger(__name__)
 

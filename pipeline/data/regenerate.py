@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from pipeline import targets
+from pipeline.models import targets
 from pipeline.errors import UserError
 
 log = logging.getLogger(__name__)

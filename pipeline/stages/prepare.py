@@ -15,10 +15,11 @@ import numpy as np
 from omegaconf import OmegaConf
 from tqdm import tqdm
 
-from pipeline import __version__, targets
+from pipeline import __version__
+from pipeline.models import targets
 from pipeline.errors import UserError
-from pipeline.regenerate import regenerate
-from pipeline.sources import Problems, load_conversations
+from pipeline.data.regenerate import regenerate
+from pipeline.data.sources import Problems, load_conversations
 from pipeline.fingerprint import digest
 from pipeline.formats import prepared
 

@@ -14,7 +14,8 @@ from pathlib import Path
 import numpy as np
 from omegaconf import OmegaConf
 
-from pipeline import __version__, targets
+from pipeline import __version__
+from pipeline.models import targets
 from pipeline.errors import UserError
 from pipeline.formats import feature_store as fs
 from pipeline.formats import vocab_map

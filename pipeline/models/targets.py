@@ -122,7 +122,7 @@ def _build_tiny(out: Path) -> dict:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-    from pipeline.sources import chitchat_conversations
+    from pipeline.data.sources import chitchat_conversations
 
     spec = dict(TINY_SPEC)
     texts = []

@@ -19,10 +19,11 @@ import torch
 from omegaconf import OmegaConf
 from tqdm import tqdm
 
-from pipeline import __version__, draft, targets
+from pipeline import __version__
+from pipeline.models import draft, targets
 from pipeline.config import Resume
 from pipeline.errors import UserError
-from pipeline.features_dataset import STORE_ERROR, PackDataset, plan_packs, shard_for_rank, split
+from pipeline.data.features_dataset import STORE_ERROR, PackDataset, plan_packs, shard_for_rank, split
 from pipeline.formats import checkpoint, vocab_map
 from pipeline.formats import feature_store as fs
 from pipeline.fingerprint import digest, shaping
@@ -323,7 +324,7 @@ def _validate(accelerator, model, cfg, packs: list, fwd: dict) -> dict:
     model.eval()
     sums = defaultdict(float)
     store = fs.FeatureStore(Path(cfg.run_dir) / "features")
-    from pipeline.features_dataset import collate
+    from pipeline.data.features_dataset import collate
     for pack in packs:
         batch = {k: v.to(accelerator.device) for k, v in collate(store, pack, cfg.train.tokens_per_pack).items()}
         _, _, m = model(**_cast(batch, accelerator), **fwd)

@@ -1,0 +1,1 @@
+"""Data in: conversation sources, regeneration by the target, the training dataset over the store."""

@@ -1,0 +1,1 @@
+"""The six stages, in data-flow order: prepare, extract, vocab, train, export, evaluate."""
