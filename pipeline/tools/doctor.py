@@ -50,9 +50,10 @@ def launched_engine(argv: list[str]) -> str | None:
     from paths among the arguments: a vLLM line whose draft path contains "sglang" is still vLLM."""
     program = []
     for a in argv:
-        if a.startswith("-") and a != "-m":
+        if a.startswith("--"):
             break
-        program.append(a)
+        if not a.startswith("-"):  # interpreter flags before -m (`python -u -m sglang.launch_server`) are skipped
+            program.append(a)
     for word in program:
         name = word.rsplit("/", 1)[-1]
         if name == "sglang" or name.startswith("sglang."):

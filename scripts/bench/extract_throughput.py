@@ -22,7 +22,7 @@ from hydra import compose, initialize_config_dir
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 from pipeline.stages import extract, prepare  # noqa: E402
-from pipeline.models import targets
+from pipeline.models import targets  # noqa: E402
 from pipeline.engines import hf_capture  # noqa: E402
 from pipeline.formats import prepared  # noqa: E402
 from pipeline.config import register  # noqa: E402

@@ -23,7 +23,7 @@ from safetensors.torch import load_file
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 from pipeline.models import draft, targets  # noqa: E402
-from pipeline.stages import train
+from pipeline.stages import train  # noqa: E402
 from pipeline.config import register  # noqa: E402
 from pipeline.data.features_dataset import PackDataset, collate, plan_packs, split  # noqa: E402
 from pipeline.runner import run_stages  # noqa: E402

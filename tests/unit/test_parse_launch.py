@@ -54,3 +54,12 @@ def test_a_line_of_neither_engine_is_refused():
 def test_options_are_read_like_argparse_reads_them(line, want):
     assert parse_launch(line) == want
 
+
+
+def test_interpreter_flags_before_dash_m_do_not_hide_the_engine():
+    """`python -u -m sglang.launch_server …` was refused as naming neither engine (found in review, #12)."""
+    from pipeline.tools.doctor import parse_launch
+    got = parse_launch("python -u -X faulthandler -m sglang.launch_server --model-path /t "
+                       "--speculative-algorithm EAGLE3 --speculative-draft-model-path /d")
+    assert got == {"engine": "sglang", "algorithm": "EAGLE3", "draft": "/d"}
+    assert parse_launch("python3 -O -m vllm.entrypoints.openai.api_server --model /t")["engine"] == "vllm"
