@@ -151,7 +151,7 @@ def _json_records(path: Path, problems: Problems) -> Iterator[tuple[str, dict]]:
             problems.report("invalid UTF-8", f"line {lineno}")
             continue
         except json.JSONDecodeError as e:
-            problems.report(f"malformed JSON", f"line {lineno} (col {e.colno}: {e.msg})")
+            problems.report("malformed JSON", f"line {lineno} (col {e.colno}: {e.msg})")
             continue
         yield f"line {lineno}", record
 
