@@ -7,6 +7,7 @@
 #   bash scripts/bench/sglang_serving.sh serve BUDGET CASE...   # scripts/bench/sglang_serving.py, resumable
 #   bash scripts/bench/sglang_serving.sh collect            # results and logs into $OUT
 #   bash scripts/bench/sglang_serving.sh start-full         # issue #10's second plan (below), in its own session
+#   bash scripts/bench/sglang_serving.sh capture            # capture through SGLang alone: parity, store, bench, tests/gpu
 # `full`: a no-speculation server; prepare REGENERATES through it; parity hf vs sglang over the whole set;
 # extract.backend=sglang; SGLang's capture vs its own prefill; vocab; train (beside it: tests/gpu and the
 # same regeneration by local HF, for comparison); export; the export served (online vs baseline at
@@ -55,6 +56,18 @@ print(targets.resolve(c.target, c.cache_dir))" | tail -1); echo "target $T"
     step hfregen-wait; for i in $(seq 1 60); do [ -f $W/hfregen.done ] && break; sleep 5; done
     python3 scripts/bench/compare_prepared.py $R $H > $W/compare_prepared.json 2>$W/compare_prepared.err; cat $W/compare_prepared.json | head -30
     touch $W/full.done; step done;;
+  capture)
+    # capture through SGLang alone (the part of `full` that failed on 2026-12-01): no regeneration, no server
+    SGL="/tmp/sgl-site:/tmp/site:$PWD"; SX="extract.sglang_attention_backend=triton extract.sglang_mem_fraction=0.6"
+    C="$A prepare.regenerate=false"
+    echo "=== prepare $(date +%T)"; python3 -m pipeline $C stage=prepare || exit 1
+    echo "=== parity $(date +%T)"; PYTHONPATH=$SGL python3 -m pipeline $C stage=parity extract.limit=500 $SX > $W/parity.log 2>&1; tail -8 $W/parity.log
+    echo "=== extract-sglang $(date +%T)"; PYTHONPATH=$SGL python3 -m pipeline $C stage=extract extract.backend=sglang $SX > $W/extract.log 2>&1; tail -3 $W/extract.log
+    T=$(python3 -c "import json; print(json.load(open('$R/features/manifest.json'))['facts']['target_path'])")
+    echo "=== capture-bench $(date +%T)"; PYTHONPATH=$SGL python3 scripts/bench/sglang_capture_throughput.py $R $T triton 0.6 > $W/capbench.log 2>&1; tail -12 $W/capbench.log
+    echo "=== tests/gpu $(date +%T)"; EAGLEPIPE_GPU_OVERRIDES="target.path=/tmp/model/smol.gguf $SX" EAGLEPIPE_CACHE=/tmp/epcache \
+      PYTHONPATH=$SGL python3 -m pytest -m requires_sglang_gpu tests/gpu -q -p no:cacheprovider 2>&1 | tail -5
+    touch $W/capture.done;;
   start-full)
     setsid bash "$0" full > $W/chain.log 2>&1 < /dev/null & echo "full pgid $!"; echo $! > $W/chain.pgid;;
   start-chain)
