@@ -19,7 +19,7 @@ from pathlib import Path
 from pipeline.errors import UserError
 from pipeline.formats import checkpoint
 from pipeline.formats import feature_store as fs
-
+from pipeline.run_dir import RunDir
 
 log = logging.getLogger(__name__)
 
@@ -36,12 +36,12 @@ INPUTS = {"extract": ["prepared/stats.json"], "vocab": ["features/manifest.json"
 
 
 def read_records(run_dir: Path) -> dict:
-    path = Path(run_dir) / "stages.json"
+    path = RunDir(Path(run_dir)).stages_json
     return json.loads(path.read_text()) if path.exists() else {}
 
 
 def write_record(run_dir: Path, stage: str, record: dict) -> None:
-    path = Path(run_dir) / "stages.json"
+    path = RunDir(Path(run_dir)).stages_json
     records = read_records(run_dir)
     records[stage] = record
     tmp = path.with_suffix(".json.tmp")
@@ -77,8 +77,8 @@ def _resume_conflicts(cfg, names: list[str]) -> list[str]:
     vocab is replaced, instead of a size mismatch inside load_state after it was."""
     if not {"vocab", "train"} <= set(names) or str(getattr(cfg.train.resume, "value", cfg.train.resume)) != "auto":
         return []
-    vocab_manifest = Path(cfg.run_dir) / "vocab" / "manifest.json"
-    train_dir = Path(cfg.run_dir) / "train"
+    vocab_manifest = RunDir.of(cfg).vocab / "manifest.json"
+    train_dir = RunDir.of(cfg).train
     if not vocab_manifest.is_file() or checkpoint.latest(train_dir) is None:
         return []
     built = json.loads(vocab_manifest.read_text()).get("draft_vocab_size")

@@ -10,6 +10,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from pipeline.run_dir import RunDir
+
+
 def _read(path: Path) -> dict | None:
     try:
         return json.loads(path.read_text())
@@ -69,7 +72,7 @@ def files_to_open(run_dir: Path) -> list[str]:
 
 def rows(run_dir: Path, order: list[str], ran: set[str]) -> list[tuple[str, str, str]]:
     """(stage, time, figure) for every stage in the runner's `order`; `ran` = the stages this invocation ran."""
-    records = _read(Path(run_dir) / "stages.json") or {}
+    records = _read(RunDir(Path(run_dir)).stages_json) or {}
     figs = figures(run_dir)
     out = []
     for name in order:
@@ -96,7 +99,7 @@ def report(run_dir: Path, order: list[str], ran: set[str]) -> Path:
 
     run_dir = Path(run_dir)
     table, files = rows(run_dir, order, ran), files_to_open(run_dir)
-    path = run_dir / "summary.md"
+    path = RunDir(Path(run_dir)).summary_md
     path.write_text(markdown(run_dir, table, files))
     t = Table(title=f"eaglepipe: {run_dir}", show_lines=False)
     t.add_column("stage", style="bold")

@@ -19,11 +19,12 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
-from pipeline.models import draft as draft_lib
-from pipeline.models import targets
 from pipeline.engines.hf_capture import Capture
 from pipeline.errors import UserError
 from pipeline.formats import export_layouts as lay
+from pipeline.models import draft as draft_lib
+from pipeline.models import targets
+from pipeline.run_dir import RunDir
 
 log = logging.getLogger(__name__)
 
@@ -115,7 +116,7 @@ def speculate(model, capture: Capture, dr: ExportedDraft, prompt: list[int], max
 def measure(cfg, store, prompts: list[list[int]], out: Path) -> Path:
     """tau of the exported draft (and of an untrained one) over the prompts; out/acceptance.json + tau.png."""
     e = cfg.eval
-    export = Path(cfg.run_dir) / "export" / "sglang"
+    export = RunDir.of(cfg).export("sglang")
     if not (export / "export_manifest.json").is_file():
         raise UserError(f"no SGLang export under {export}; run stage=export first")
     folder = Path(store.facts["target_path"])
@@ -163,7 +164,7 @@ def measure(cfg, store, prompts: list[list[int]], out: Path) -> Path:
 def untrained_tensors(cfg, store, folder: Path) -> dict:
     """The floor: speculators' initial draft (same seed, same vocab), through the same SGLang layout."""
     from pipeline.formats import vocab_map
-    d2t, t2d, _ = vocab_map.load(Path(cfg.run_dir) / "vocab")
+    d2t, t2d, _ = vocab_map.load(RunDir.of(cfg).vocab)
     torch.manual_seed(cfg.seed)
     m = draft_lib.build(folder, targets.load_config(folder, cfg.target), store.aux_layer_ids, d2t, t2d, 1)
     return {lay.speculators_to_sglang_name(k): v.detach() for k, v in lay.draft_owned(m.state_dict()).items()}

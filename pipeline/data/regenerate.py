@@ -14,8 +14,8 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from pipeline.models import targets
 from pipeline.errors import UserError
+from pipeline.models import targets
 
 log = logging.getLogger(__name__)
 

@@ -248,7 +248,10 @@ def extend_batch(reqs: list, req_to_token_pool, token_to_kv_pool_allocator, tree
 
 def forward_capture(runner, reqs: list, hook: LastStateHook, tree_cache):
     """THE GPU-only part: one extend forward with FULL capture; KV pools cleared after. (aux, last) flat."""
-    from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardBatch
+    from sglang.srt.model_executor.forward_batch_info import (
+        CaptureHiddenMode,
+        ForwardBatch,
+    )
 
     try:
         batch = extend_batch(reqs, runner.req_to_token_pool, runner.token_to_kv_pool_allocator, tree_cache,

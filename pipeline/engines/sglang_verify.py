@@ -42,7 +42,8 @@ def serving_resolution(args, algorithm: str) -> dict:
     """SGLang's own decision, at server start, about capturing aux hidden states for this draft."""
     from sglang.srt.configs.model_config import ModelConfig
     from sglang.srt.model_executor.model_runner_components.spec_aux_hidden_state import (
-        resolve_spec_aux_hidden_state_config)
+        resolve_spec_aux_hidden_state_config,
+    )
     from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 
     resolved = resolve_spec_aux_hidden_state_config(

@@ -20,8 +20,14 @@ from safetensors.torch import load_file  # noqa: E402
 
 
 def build(export_dir: str, target_dir: str):
-    from vllm.config import (DeviceConfig, ModelConfig, ParallelConfig, SpeculativeConfig, VllmConfig,
-                             set_current_vllm_config)
+    from vllm.config import (
+        DeviceConfig,
+        ModelConfig,
+        ParallelConfig,
+        SpeculativeConfig,
+        VllmConfig,
+        set_current_vllm_config,
+    )
     from vllm.distributed import parallel_state as ps
 
     from pipeline.engines.loader_audit import single_process_world

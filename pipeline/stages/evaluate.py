@@ -15,17 +15,18 @@ from pathlib import Path
 
 import torch
 
-from pipeline.acceptance import offline as offline_bench, online as online_bench
-from pipeline.errors import UserError
+from pipeline.acceptance import offline as offline_bench
+from pipeline.acceptance import online as online_bench
 from pipeline.data.features_dataset import split
+from pipeline.errors import UserError
 from pipeline.fingerprint import digest, shaping
-from pipeline.formats import feature_store as fs
+from pipeline.run_dir import RunDir
 
 log = logging.getLogger(__name__)
 
 
 def out_dir(cfg) -> Path:
-    return Path(cfg.run_dir) / "eval"
+    return RunDir.of(cfg).eval
 
 
 # Knobs that cannot change evaluate's figures, left out of its fingerprint: a timeout only fails a run; the
@@ -36,7 +37,7 @@ ONLINE_ONLY = ("baseline_endpoint", "endpoint_concurrency")
 
 
 def fingerprint(cfg) -> str:
-    m = Path(cfg.run_dir) / "export" / "sglang" / "export_manifest.json"
+    m = RunDir.of(cfg).export("sglang") / "export_manifest.json"
     unread = OFFLINE_ONLY if cfg.eval.endpoint else ONLINE_ONLY
     return digest({"export": m.read_text() if m.exists() else None, "eval": shaping(cfg.eval, NOT_SHAPING + unread)})
 
@@ -60,7 +61,7 @@ def check(cfg) -> None:
 def run(cfg) -> Path:
     check(cfg)
     e = cfg.eval
-    store = fs.FeatureStore(Path(cfg.run_dir) / "features")
+    store = RunDir.of(cfg).open_features()
     prompts = heldout_prompts(cfg, store, e.num_prompts, e.prompt_tokens)
     # online: the server's own acceptance counters; offline: the greedy chain against the local target
     bench = online_bench if e.endpoint else offline_bench
@@ -70,7 +71,7 @@ def run(cfg) -> Path:
 def heldout_prompts(cfg, store, n: int, prompt_tokens: int) -> list[list[int]]:
     """Prefixes of the validation samples train held out (train_summary.json's `val_samples`) up to their first
     supervised token, i.e. up to where the assistant starts answering; at most prompt_tokens long."""
-    summary = Path(cfg.run_dir) / "train" / "final" / "train_summary.json"
+    summary = RunDir.of(cfg).final / "train_summary.json"
     val = json.loads(summary.read_text()).get("val_samples") if summary.is_file() else None
     if val is None:  # a draft trained before train recorded its split: the same seeded split, recomputed
         log.warning("evaluate: %s records no val_samples; recomputing the split from train.val_fraction", summary)

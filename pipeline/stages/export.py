@@ -20,24 +20,25 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from pipeline import __version__
-from pipeline.tools import verify
 from pipeline.errors import UserError
+from pipeline.fingerprint import digest
 from pipeline.formats import export_layouts as lay
 from pipeline.formats import feature_store as fs
 from pipeline.formats import vocab_map
-from pipeline.fingerprint import digest
+from pipeline.run_dir import RunDir
+from pipeline.tools import verify
 
 log = logging.getLogger(__name__)
 ENGINES = tuple(lay.ENGINES)
 
 
 def out_dir(cfg) -> Path:
-    return Path(cfg.run_dir) / "export"
+    return RunDir.of(cfg).exports
 
 
 def fingerprint(cfg) -> str:
-    summary = Path(cfg.run_dir) / "train" / "final" / "train_summary.json"
-    weights = Path(cfg.run_dir) / "train" / "final" / "model.safetensors"
+    summary = RunDir.of(cfg).final / "train_summary.json"
+    weights = RunDir.of(cfg).final / "model.safetensors"
     # empty extra-flag lists leave the fingerprint of exports made before they existed unchanged
     serve = {k: v for k, v in dict(cfg.export.serve).items() if not (k.endswith("_args") and not v)}
     return digest({"summary": summary.read_text() if summary.exists() else None,
@@ -74,11 +75,11 @@ def _load_final(final: Path) -> tuple[dict, dict]:
 
 def run(cfg) -> Path:
     check(cfg)
-    final = Path(cfg.run_dir) / "train" / "final"
+    final = RunDir.of(cfg).final
     if not (final / "train_summary.json").is_file():
         raise UserError(f"no trained draft under {final}; run stage=train first")
-    store = fs.FeatureStore(Path(cfg.run_dir) / "features")
-    d2t, t2d, vman = vocab_map.load(Path(cfg.run_dir) / "vocab")
+    store = RunDir.of(cfg).open_features()
+    d2t, t2d, vman = vocab_map.load(RunDir.of(cfg).vocab)
     weights, draft_cfg = _load_final(final)
     if draft_cfg["eagle_aux_hidden_state_layer_ids"] != store.aux_layer_ids:
         raise UserError(f"trained draft has aux ids {draft_cfg['eagle_aux_hidden_state_layer_ids']}, the feature "

@@ -25,18 +25,19 @@ from omegaconf import OmegaConf
 from tqdm import tqdm
 
 from pipeline import __version__
-from pipeline.models import targets
-from pipeline.errors import UserError
-from pipeline.formats import feature_store as fs
 from pipeline.engines.hf_capture import CONVENTION, Capture, aux_layer_ids, pad_batch
+from pipeline.errors import UserError
 from pipeline.fingerprint import digest
+from pipeline.formats import feature_store as fs
 from pipeline.formats import prepared
+from pipeline.models import targets
+from pipeline.run_dir import RunDir
 
 log = logging.getLogger(__name__)
 
 
 def out_dir(cfg) -> Path:
-    return Path(cfg.run_dir) / "features"
+    return RunDir.of(cfg).features
 
 
 def backend(cfg) -> str:
@@ -60,7 +61,7 @@ def check(cfg) -> None:
 
 
 def fingerprint(cfg) -> str:
-    stats_path = Path(cfg.run_dir) / "prepared" / "stats.json"
+    stats_path = RunDir.of(cfg).prepared / "stats.json"
     prepared = stats_path.read_text() if stats_path.exists() else None
     # the SGLang knobs shape nothing under backend=hf (and leaving them out keeps hf stores made before they
     # existed up to date); SGLang's memory fraction never shapes the states

@@ -16,12 +16,12 @@ from omegaconf import OmegaConf
 from tqdm import tqdm
 
 from pipeline import __version__
-from pipeline.models import targets
-from pipeline.errors import UserError
 from pipeline.data.regenerate import regenerate
 from pipeline.data.sources import Problems, load_conversations
+from pipeline.errors import UserError
 from pipeline.fingerprint import digest
 from pipeline.formats import prepared
+from pipeline.models import targets
 
 log = logging.getLogger(__name__)
 

@@ -20,13 +20,20 @@ from omegaconf import OmegaConf
 from tqdm import tqdm
 
 from pipeline import __version__
-from pipeline.models import draft, targets
 from pipeline.config import Resume
+from pipeline.data.features_dataset import (
+    STORE_ERROR,
+    PackDataset,
+    plan_packs,
+    shard_for_rank,
+    split,
+)
 from pipeline.errors import UserError
-from pipeline.data.features_dataset import STORE_ERROR, PackDataset, plan_packs, shard_for_rank, split
+from pipeline.fingerprint import digest, shaping
 from pipeline.formats import checkpoint, vocab_map
 from pipeline.formats import feature_store as fs
-from pipeline.fingerprint import digest, shaping
+from pipeline.models import draft, targets
+from pipeline.run_dir import RunDir
 
 log = logging.getLogger(__name__)
 # Knobs that cannot change what train makes (final/'s weights, metrics.jsonl, plots/): how data is prefetched,
@@ -38,7 +45,7 @@ RESUMABLE_ACROSS = NOT_SHAPING + ("log_every_steps", "val_every_steps", "device"
 
 
 def out_dir(cfg) -> Path:
-    return Path(cfg.run_dir) / "train"
+    return RunDir.of(cfg).train
 
 
 def check(cfg) -> None:
@@ -58,7 +65,7 @@ def check(cfg) -> None:
 
 
 def fingerprint(cfg) -> str:
-    vocab_manifest = Path(cfg.run_dir) / "vocab" / "manifest.json"
+    vocab_manifest = RunDir.of(cfg).vocab / "manifest.json"
     return digest({"vocab": vocab_manifest.read_text() if vocab_manifest.exists() else None, "seed": cfg.seed,
                    "train": shaping(cfg.train, NOT_SHAPING)})
 
@@ -68,12 +75,9 @@ def is_complete(cfg) -> bool:
 
 
 def load_inputs(cfg):
+    store = RunDir.of(cfg).open_features()
     try:
-        store = fs.FeatureStore(Path(cfg.run_dir) / "features")
-    except fs.StoreError as e:
-        raise UserError(f"{e}; run stage=extract first") from None
-    try:
-        d2t, t2d, vman = vocab_map.load(Path(cfg.run_dir) / "vocab")
+        d2t, t2d, vman = vocab_map.load(RunDir.of(cfg).vocab)
     except vocab_map.VocabError as e:
         raise UserError(f"{e}; run stage=vocab first") from None
     if vman["features_manifest_hash"] != store.manifest_hash():
@@ -323,7 +327,7 @@ def _summarise(sums: dict, ttt_steps: int, prefix: str = "") -> dict:
 def _validate(accelerator, model, cfg, packs: list, fwd: dict) -> dict:
     model.eval()
     sums = defaultdict(float)
-    store = fs.FeatureStore(Path(cfg.run_dir) / "features")
+    store = RunDir.of(cfg).open_features()
     from pipeline.data.features_dataset import collate
     for pack in packs:
         batch = {k: v.to(accelerator.device) for k, v in collate(store, pack, cfg.train.tokens_per_pack).items()}

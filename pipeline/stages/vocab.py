@@ -15,27 +15,22 @@ import numpy as np
 from omegaconf import OmegaConf
 
 from pipeline import __version__
-from pipeline.models import targets
 from pipeline.errors import UserError
+from pipeline.fingerprint import digest
 from pipeline.formats import feature_store as fs
 from pipeline.formats import vocab_map
-from pipeline.fingerprint import digest
+from pipeline.models import targets
+from pipeline.run_dir import RunDir
 
 log = logging.getLogger(__name__)
 
 
 def out_dir(cfg) -> Path:
-    return Path(cfg.run_dir) / "vocab"
+    return RunDir.of(cfg).vocab
 
 
 def open_store(cfg) -> fs.FeatureStore:
-    try:
-        store = fs.FeatureStore(Path(cfg.run_dir) / "features")
-    except fs.StoreError as e:
-        raise UserError(f"{e}; run stage=extract first") from None
-    if not store.manifest.get("complete"):
-        raise UserError(f"the feature store in {cfg.run_dir}/features is incomplete; rerun stage=extract")
-    return store
+    return RunDir.of(cfg).open_features()
 
 
 def check(cfg) -> None:
@@ -49,7 +44,7 @@ def check(cfg) -> None:
 
 
 def fingerprint(cfg) -> str:
-    manifest = Path(cfg.run_dir) / "features" / fs.MANIFEST
+    manifest = RunDir.of(cfg).features / fs.MANIFEST
     return digest({"features": manifest.read_text() if manifest.exists() else None,
                    "draft_vocab_size": cfg.vocab.draft_vocab_size})
 

@@ -13,12 +13,13 @@ from pathlib import Path
 
 from pipeline.errors import UserError
 from pipeline.formats import feature_store as fs
+from pipeline.run_dir import RunDir
 
 log = logging.getLogger(__name__)
 
 
 def run(cfg) -> Path:
-    root = Path(cfg.run_dir) / "features"
+    root = RunDir.of(cfg).features
     try:
         bad = fs.verify_store(root)
         manifest = fs.read_manifest(root)

@@ -16,9 +16,10 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
-from pipeline.stages import extract
 from pipeline.errors import UserError
 from pipeline.formats import feature_store as fs
+from pipeline.run_dir import RunDir
+from pipeline.stages import extract
 
 log = logging.getLogger(__name__)
 
@@ -47,8 +48,8 @@ def compare(ref: fs.FeatureStore, other: fs.FeatureStore) -> dict:
 
 
 def run(cfg) -> Path:
-    root = Path(cfg.run_dir) / "parity"
-    prepared = Path(cfg.run_dir) / "prepared"
+    root = RunDir.of(cfg).parity
+    prepared = RunDir.of(cfg).prepared
     if not prepared.is_dir():
         raise UserError(f"no {prepared}: run stage=prepare first")
     stores = {}

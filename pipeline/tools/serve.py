@@ -9,11 +9,12 @@ from __future__ import annotations
 from pathlib import Path
 
 from pipeline.errors import UserError
+from pipeline.run_dir import RunDir
 
 
 def run(cfg) -> Path:
     engines = [cfg.engine] if cfg.engine else list(cfg.export.engines)
-    root = Path(cfg.export_dir).parent if cfg.export_dir else Path(cfg.run_dir) / "export"
+    root = Path(cfg.export_dir).parent if cfg.export_dir else RunDir.of(cfg).exports
     for engine in engines:
         script = root / engine / "serve.sh"
         if not script.is_file():

@@ -25,6 +25,7 @@ from safetensors.torch import load_file
 from pipeline.errors import UserError
 from pipeline.formats import export_layouts as lay
 from pipeline.formats import vocab_map
+from pipeline.run_dir import RunDir
 
 log = logging.getLogger(__name__)
 ROOT = Path(__file__).resolve().parents[2]  # pipeline/tools/verify.py -> the repo root
@@ -195,7 +196,7 @@ def _check_sglang(config: dict, tensors: dict, facts: dict) -> list[str]:
 def run(cfg) -> Path:
     """Verify one export (export_dir=...), or every engine's export of run_dir."""
     folders = ([Path(cfg.export_dir)] if cfg.export_dir else
-               [Path(cfg.run_dir) / "export" / e for e in cfg.export.engines])
+               [RunDir.of(cfg).export(e) for e in cfg.export.engines])
     failed = 0
     for folder in folders:
         manifest, facts = read_export(folder)

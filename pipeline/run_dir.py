@@ -1,0 +1,82 @@
+"""The run directory (docs/stages.md, "runs/<run_name>/"): every folder a stage writes, named once, and the
+artefacts that several stages and tools read, opened once and checked.
+
+    rd = RunDir.of(cfg)
+    rd.features            # run_dir/features (extract writes it)
+    rd.open_features()     # the store, refused in one line if missing or incomplete
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from pipeline.errors import UserError
+
+
+@dataclass(frozen=True)
+class RunDir:
+    root: Path
+
+    @classmethod
+    def of(cls, cfg) -> RunDir:
+        return cls(Path(cfg.run_dir))
+
+    # one folder per stage, in data-flow order
+    @property
+    def prepared(self) -> Path:
+        return self.root / "prepared"
+
+    @property
+    def features(self) -> Path:
+        return self.root / "features"
+
+    @property
+    def vocab(self) -> Path:
+        return self.root / "vocab"
+
+    @property
+    def train(self) -> Path:
+        return self.root / "train"
+
+    @property
+    def final(self) -> Path:
+        """The trained draft (speculators' save_pretrained + train_summary.json)."""
+        return self.train / "final"
+
+    @property
+    def exports(self) -> Path:
+        return self.root / "export"
+
+    def export(self, engine: str) -> Path:
+        return self.exports / engine
+
+    @property
+    def eval(self) -> Path:
+        return self.root / "eval"
+
+    @property
+    def parity(self) -> Path:
+        return self.root / "parity"
+
+    # the runner's records
+    @property
+    def stages_json(self) -> Path:
+        return self.root / "stages.json"
+
+    @property
+    def summary_md(self) -> Path:
+        return self.root / "summary.md"
+
+    def open_features(self, complete: bool = True):
+        """The feature store; one line naming the fix if there is none, or (complete=True) if extract has
+        not finished it."""
+        from pipeline.formats import feature_store as fs
+
+        try:
+            store = fs.FeatureStore(self.features)
+        except fs.StoreError as e:
+            raise UserError(f"{e}; run stage=extract first") from None
+        if complete and not store.manifest.get("complete"):
+            raise UserError(f"the feature store in {self.features} is incomplete; rerun stage=extract (it resumes)")
+        return store
