@@ -20,7 +20,6 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 
 from pipeline.engines.hf_capture import Capture
-from pipeline.errors import UserError
 from pipeline.formats import export_layouts as lay
 from pipeline.models import draft as draft_lib
 from pipeline.models import targets
@@ -116,9 +115,7 @@ def speculate(model, capture: Capture, dr: ExportedDraft, prompt: list[int], max
 def measure(cfg, store, prompts: list[list[int]], out: Path) -> Path:
     """tau of the exported draft (and of an untrained one) over the prompts; out/acceptance.json + tau.png."""
     e = cfg.eval
-    export = RunDir.of(cfg).export("sglang")
-    if not (export / "export_manifest.json").is_file():
-        raise UserError(f"no SGLang export under {export}; run stage=export first")
+    export = RunDir.of(cfg).export("sglang")  # its presence is the stage's precondition (evaluate.run)
     folder = Path(store.facts["target_path"])
     tok = targets.load_tokenizer(folder, cfg.target)
     device, _ = targets.pick_device_dtype(e.device, "fp32")  # fp32: greedy equality is exact, not bf16-noisy

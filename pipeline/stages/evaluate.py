@@ -60,8 +60,10 @@ def check(cfg) -> None:
 
 def run(cfg) -> Path:
     check(cfg)
-    e = cfg.eval
-    store = RunDir.of(cfg).open_features()
+    e, rd = cfg.eval, RunDir.of(cfg)
+    if not e.endpoint and not (rd.export("sglang") / "export_manifest.json").is_file():  # what offline reads
+        raise UserError(f"no SGLang export under {rd.export('sglang')}; run stage=export first")
+    store = rd.open_features()
     prompts = heldout_prompts(cfg, store, e.num_prompts, e.prompt_tokens)
     # online: the server's own acceptance counters; offline: the greedy chain against the local target
     bench = online_bench if e.endpoint else offline_bench
