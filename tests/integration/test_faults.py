@@ -5,7 +5,7 @@ Each kill point is drawn uniformly over the stage's own wall time in the referen
 so some kills land in start-up, some mid-work, some while committing). The whole process group is killed, as a
 cluster scheduler does. EAGLEPIPE_FAULT_POINTS sets the points per stage: 2 in CI (the time budget), 20 for
 the issue's full run: `EAGLEPIPE_FAULT_POINTS=20 pytest tests/integration/test_faults.py`.
-Not covered here: regeneration through a server that dies mid-way (prepare with `regenerate_endpoint`).
+The last test lets the regeneration server die mid-way through prepare (`prepare.regenerate_endpoint`).
 """
 
 import hashlib
@@ -16,7 +16,9 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
+from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
 
 import pytest
@@ -112,3 +114,62 @@ def test_sigkill_at_random_points_then_rerun_gives_the_uninterrupted_output(refe
         assert digest(run_dir, stage) == digests[stage], f"{stage}: point {point}, killed after {delay:.1f} s"
         shutil.rmtree(run_dir)
     assert killed_mid_run >= (1 if POINTS >= 2 else 0), f"{stage}: every process finished before its kill point"
+
+
+class _DyingChatServer(BaseHTTPRequestHandler):
+    """TEST SERVER (external boundary): OpenAI chat completions over real HTTP. After `die_after` answers it
+    drops the connection and is gone (stops serving and closes its socket), as a crashed server is."""
+    answered = 0
+    die_after = None
+    server = None
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        cls = type(self)
+        if cls.die_after is not None and cls.answered >= cls.die_after:
+            self.close_connection = True  # no response: "server disconnected", then connections refused
+            threading.Thread(target=lambda: (cls.server.shutdown(), cls.server.server_close()), daemon=True).start()
+            return
+        cls.answered += 1
+        data = json.dumps({"choices": [{"message": {"role": "assistant",
+                                                    "content": f"reply to: {body['messages'][-1]['content'][:20]}"}}]})
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data.encode())
+
+    def log_message(self, *args):
+        pass
+
+
+def _serve(die_after):
+    handler = type("Handler", (_DyingChatServer,), {"answered": 0, "die_after": die_after})
+    handler.server = HTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=handler.server.serve_forever, daemon=True).start()
+    return handler.server
+
+
+def test_regeneration_server_dying_mid_way_is_one_line_then_a_rerun_equals_an_uninterrupted_run(make_cfg, tmp_path):
+    from pipeline.errors import UserError
+    from pipeline.formats import prepared
+    from pipeline.runner import run_stages
+
+    def cfg(run_dir, server):
+        return make_cfg("target=tiny", "data.limit=6", "stage=prepare", "prepare.regenerate=true",
+                        "prepare.endpoint_concurrency=1", "prepare.endpoint_timeout_s=10",
+                        f"prepare.regenerate_endpoint=http://127.0.0.1:{server.server_port}", run_dir=run_dir)
+
+    healthy = _serve(None)
+    run_stages(cfg(tmp_path / "ref", healthy))
+    healthy.shutdown()
+    dying = _serve(7)
+    with pytest.raises(UserError, match="regenerate endpoint .*is the server running"):
+        run_stages(cfg(tmp_path / "b", dying))
+    assert not (tmp_path / "b" / "prepared" / "stats.json").exists()  # nothing half-written is published
+    again = _serve(None)
+    run_stages(cfg(tmp_path / "b", again))  # the same run dir, the server back (on another port)
+    again.shutdown()
+    (a, _), (b, _) = prepared.load(tmp_path / "ref"), prepared.load(tmp_path / "b")
+    for col in ("input_ids", "loss_mask", "sample_id", "source_id"):
+        assert list(a[col]) == list(b[col]), col
