@@ -29,10 +29,6 @@ def out_dir(cfg) -> Path:
     return RunDir.of(cfg).vocab
 
 
-def open_store(cfg) -> fs.FeatureStore:
-    return RunDir.of(cfg).open_features()
-
-
 def check(cfg) -> None:
     """vocab.draft_vocab_size against the target's declared vocabulary, before prepare and extract run (the
     store's recorded vocab_size is checked again in run)."""
@@ -55,7 +51,7 @@ def is_complete(cfg) -> bool:
 
 def run(cfg) -> Path:
     check(cfg)
-    store = open_store(cfg)
+    store = RunDir.of(cfg).open_features()
     V, K = int(store.facts["vocab_size"]), cfg.vocab.draft_vocab_size
     if not 1 <= K <= V:
         raise UserError(f"vocab.draft_vocab_size={K}: must be in [1, {V}] (the target vocabulary)")

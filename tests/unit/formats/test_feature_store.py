@@ -86,11 +86,16 @@ def test_commit_refuses_a_shard_with_unwritten_samples(tmp_path):
         writer.commit(manifest)
 
 
+def _write_with_schema(root, version: int) -> None:
+    """A one-sample store whose manifest then claims another schema version."""
+    _write(root, [3])
+    m = json.loads((root / "manifest.json").read_text())
+    m["schema_version"] = version
+    (root / "manifest.json").write_text(json.dumps(m))
+
+
 def test_reader_rejects_an_unknown_schema(tmp_path):
-    _write(tmp_path, [3])
-    m = json.loads((tmp_path / "manifest.json").read_text())
-    m["schema_version"] = 99
-    (tmp_path / "manifest.json").write_text(json.dumps(m))
+    _write_with_schema(tmp_path, 99)
     with pytest.raises(fs.StoreError, match="schema 99"):
         fs.FeatureStore(tmp_path)
 
@@ -155,10 +160,7 @@ def test_the_manifest_records_the_checksum_scheme(tmp_path):
 
 
 def test_a_store_from_before_checksums_is_refused_with_the_fix(tmp_path):
-    _write(tmp_path, [3])
-    m = json.loads((tmp_path / "manifest.json").read_text())
-    m["schema_version"] = 1
-    (tmp_path / "manifest.json").write_text(json.dumps(m))
+    _write_with_schema(tmp_path, 1)
     with pytest.raises(fs.StoreError, match="before chunk checksums.*extract.overwrite=true"):
         fs.FeatureStore(tmp_path)
     with pytest.raises(fs.StoreError, match="schema 1"):
