@@ -190,16 +190,9 @@ def publish(args, tp_rank: int = 0, tp_size: int = 1) -> dict:
 def build_runner(target_dir: str, tp_rank: int, tp_size: int, nccl_port: int, mem_fraction_static: float = 0.8,
                  attention_backend: str | None = None):
     """SGLang's ModelRunner for the target on this rank's GPU (a torchrun rank = a TP rank). GPU only."""
-    import os
-
     from sglang.srt.configs.model_config import ModelConfig
     from sglang.srt.model_executor.model_runner import ModelRunner
 
-    # Capture never replays a CUDA graph, so the eager runner's copy into its fixed-size static buffers is
-    # pure cost; and on the H200 (0.5.17, 2026-12-01) that copy failed for a 23,565-token extend ("size of
-    # tensor a (0) must match ... b (23565)" in cuda_graph_buffer_registry.fill_from). With this switch
-    # (environ.py, 0.5.17 and 0.5.23) the eager runner runs the live ForwardBatch. Not yet run on a GPU.
-    os.environ.setdefault("SGLANG_EAGER_INPUT_NO_COPY", "1")
     args = server_args(target_dir, tp_size, "cuda", mem_fraction_static, attention_backend)
     per_release = publish(args, tp_rank, tp_size)
     config = ModelConfig.from_server_args(args)
@@ -243,6 +236,13 @@ def extend_batch(reqs: list, req_to_token_pool, token_to_kv_pool_allocator, tree
                                    model_config=model_config, enable_overlap=False,
                                    spec_algorithm=SpeculativeAlgorithm.from_string("NONE"))
     batch.prepare_for_extend()
+    # prepare_for_extend stages the token ids on the host (prefill_input_ids_cpu, 0.5.17 and 0.5.23) and leaves
+    # input_ids None; the scheduler copies them over at forward entry (managers/overlap_utils.py::
+    # resolve_forward_inputs, prefill case). Without this the forward gets no input ids: on the H200 the eager
+    # runner's buffer copy failed ("size of tensor a (0) must match ... b (23565)", 2026-12-01).
+    if batch.input_ids is None and getattr(batch, "prefill_input_ids_cpu", None) is not None:
+        batch.input_ids = batch.prefill_input_ids_cpu.to(batch.device, non_blocking=True)
+        batch.prefill_input_ids_cpu = None
     return batch
 
 

@@ -30,7 +30,7 @@ case "$1" in
   full)
     SGL="/tmp/sgl-site:/tmp/site:$PWD"; H=/tmp/hfrun; SX="extract.sglang_attention_backend=triton extract.sglang_mem_fraction=0.45"
     step() { echo "=== $1 $(date +%T)"; }
-    T=$(python3 -c "import sys; from hydra import compose, initialize_config_dir; from pipeline.config import register; from pipeline import targets
+    T=$(python3 -c "import sys; from hydra import compose, initialize_config_dir; from pipeline.config import register; from pipeline.models import targets
 register()
 with initialize_config_dir(config_dir='$PWD/conf', version_base='1.3'): c = compose('config', overrides='$A'.split())
 print(targets.resolve(c.target, c.cache_dir))" | tail -1); echo "target $T"
@@ -61,9 +61,13 @@ print(targets.resolve(c.target, c.cache_dir))" | tail -1); echo "target $T"
     SGL="/tmp/sgl-site:/tmp/site:$PWD"; SX="extract.sglang_attention_backend=triton extract.sglang_mem_fraction=0.6"
     C="$A prepare.regenerate=false"
     echo "=== prepare $(date +%T)"; python3 -m pipeline $C stage=prepare || exit 1
+    T=$(python3 -c "from hydra import compose, initialize_config_dir; from pipeline.config import register; from pipeline.models import targets
+register()
+with initialize_config_dir(config_dir='$PWD/conf', version_base='1.3'): c = compose('config', overrides='$C'.split())
+print(targets.resolve(c.target, c.cache_dir))" | tail -1); echo "target $T"
+    echo "=== probe $(date +%T)"; PYTHONPATH=$SGL timeout 240 python3 scripts/dev/sglang_capture_probe.py $T triton 0.6 > $W/probe.log 2>&1; grep -v "^\s*$" $W/probe.log | grep -E "^(max_|slot|==|   NO_COPY|Traceback|  File|[A-Za-z]*Error)" | tail -40
     echo "=== parity $(date +%T)"; PYTHONPATH=$SGL python3 -m pipeline $C stage=parity extract.limit=500 $SX > $W/parity.log 2>&1; tail -8 $W/parity.log
     echo "=== extract-sglang $(date +%T)"; PYTHONPATH=$SGL python3 -m pipeline $C stage=extract extract.backend=sglang $SX > $W/extract.log 2>&1; tail -3 $W/extract.log
-    T=$(python3 -c "import json; print(json.load(open('$R/features/manifest.json'))['facts']['target_path'])")
     echo "=== capture-bench $(date +%T)"; PYTHONPATH=$SGL python3 scripts/bench/sglang_capture_throughput.py $R $T triton 0.6 > $W/capbench.log 2>&1; tail -12 $W/capbench.log
     echo "=== tests/gpu $(date +%T)"; EAGLEPIPE_GPU_OVERRIDES="target.path=/tmp/model/smol.gguf $SX" EAGLEPIPE_CACHE=/tmp/epcache \
       PYTHONPATH=$SGL python3 -m pytest -m requires_sglang_gpu tests/gpu -q -p no:cacheprovider 2>&1 | tail -5

@@ -26,7 +26,7 @@ _iu.DummyObject.__getattribute__ = _getattr
 PY
   touch "$S/.done"
 fi
-T=$(.venv/bin/python -c "from pipeline import targets; from hydra import compose, initialize_config_dir; from pipeline.config import register
+T=$(.venv/bin/python -c "from pipeline.models import targets; from hydra import compose, initialize_config_dir; from pipeline.config import register
 register()
 with initialize_config_dir(config_dir='$PWD/conf', version_base='1.3'): c = compose('config', overrides=['target=tiny', 'cache_dir=${EAGLEPIPE_CACHE:-$PWD/.cache/eaglepipe}'])
 print(targets.resolve(c.target, c.cache_dir))" | tail -1)

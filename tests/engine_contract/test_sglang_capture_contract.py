@@ -117,4 +117,5 @@ def test_our_requests_make_a_batch_that_sglang_prepares_for_extend_with_its_own_
     batch = sc.extend_batch(sc.make_reqs([[5, 6, 7], [8, 9]]), req_to_token, allocator, cache, config)
     assert batch.forward_mode == ForwardMode.EXTEND and batch.extend_lens == [3, 2]
     assert batch.seq_lens.tolist() == [3, 2] and len(batch.out_cache_loc) == 5  # one KV slot per token
+    assert batch.input_ids.tolist() == [5, 6, 7, 8, 9]  # on the batch's device, as the forward reads them
     assert batch.prefix_lens == [0, 0]  # nothing shared: each sample is computed whole
