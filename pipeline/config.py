@@ -159,6 +159,9 @@ class TrainConfig:
     loss: str = "kl_div"  # speculators loss spec (eager implementation)
     # tokens per micro-batch (packed samples, no cross-sample attention); x grad_accum x ranks = tokens per step
     tokens_per_pack: int = 4096
+    # a sample longer than a pack is split into windows of tokens_per_pack; each later window repeats this many
+    # positions before it as context (attended to, not scored). null = tokens_per_pack // 4
+    split_context: Optional[int] = None
     grad_accum: int = 1
     epochs: int = 1
     max_steps: Optional[int] = None  # null = epochs x packs / grad_accum

@@ -86,7 +86,7 @@ def _resume_conflicts(cfg, names: list[str]) -> list[str]:
         return []
     return [(f"vocab.draft_vocab_size={cfg.vocab.draft_vocab_size} would rebuild {vocab_manifest.parent} (now "
              f"{built} tokens) under the checkpoints in {train_dir}, trained with {built}, which train.resume=auto "
-             "cannot resume: add train.resume=never to train from scratch (it deletes them) or use a new run_dir")]
+             "cannot resume: add train.resume=never to train from scratch (it replaces them) or use a new run_dir")]
 
 
 def run_stages(cfg) -> None:

@@ -1,9 +1,14 @@
 """Training data over the feature store: deterministic split, shuffle and packing, per-rank sharding.
 
-A *pack* is a list of sample indices whose shifted lengths (n-1) fit `tokens_per_pack`; it becomes one
-[1, T] micro-batch with document ids (the draft's attention never crosses samples) and per-sample
-position ids. Alignment follows speculators' `shift_batch`: position t pairs input token x[t+1] and the
-aux state g[t] with the target's last state y[t+1] and loss mask l[t+1].
+A *pack* is a list of pieces whose lengths fit `tokens_per_pack`; it becomes one [1, T] micro-batch with
+document ids (the draft's attention never crosses pieces) and position ids that keep each token's place in its
+sample. Alignment follows speculators' `shift_batch`: position t pairs input token x[t+1] and the aux state
+g[t] with the target's last state y[t+1] and loss mask l[t+1]; a sample of n tokens has n-1 such positions.
+A *piece* is (sample, start, context): positions [start, start + T) of that sample, the first `context` of
+them loss-masked. A sample whose n-1 positions fit one pack is one piece (i, 0, 0). A longer one is split
+(`split_points`): windows of T positions with stride T - context, so every position is trained exactly once and
+each later window starts with `context` already-trained positions that the draft attends to but is not
+scored on. Nothing is cut (issue #12, B7).
 """
 
 from __future__ import annotations
@@ -26,22 +31,52 @@ def split(num_samples: int, val_fraction: float, seed: int) -> tuple[np.ndarray,
     return np.sort(perm[n_val:]), np.sort(perm[:n_val])
 
 
+Piece = tuple[int, int, int]  # (sample index, first position, leading positions that are context only)
+
+
+def split_points(positions: int, tokens_per_pack: int, context: int) -> list[tuple[int, int]]:
+    """(start, context) of each window that covers `positions` shifted positions in windows of at most
+    tokens_per_pack; the first window has no context, each later one repeats the `context` positions before it."""
+    if positions <= tokens_per_pack:
+        return [(0, 0)]
+    stride = tokens_per_pack - context
+    out, start = [(0, 0)], stride
+    while start + context < positions:
+        out.append((start, context))
+        start += stride
+    return out
+
+
 def plan_packs(indices: np.ndarray, lengths: np.ndarray, tokens_per_pack: int, seed: int, epoch: int,
-               shuffle: bool = True) -> list[list[int]]:
+               shuffle: bool = True, context: int = 0) -> list[list[Piece]]:
     order = np.random.default_rng([seed, epoch]).permutation(indices) if shuffle else np.asarray(indices)
     packs, current, used = [], [], 0
     for i in order.tolist():
-        n = min(int(lengths[i]) - 1, tokens_per_pack)
-        if n < 1:
+        m = int(lengths[i]) - 1
+        if m < 1:
             continue  # a 1-token sample has nothing to predict (counted by the caller via lengths)
-        if current and used + n > tokens_per_pack:
-            packs.append(current)
-            current, used = [], 0
-        current.append(i)
-        used += n
+        for start, ctx in split_points(m, tokens_per_pack, context):
+            n = min(m - start, tokens_per_pack)
+            if current and used + n > tokens_per_pack:
+                packs.append(current)
+                current, used = [], 0
+            current.append((i, start, ctx))
+            used += n
     if current:
         packs.append(current)
     return packs
+
+
+def split_counts(indices: np.ndarray, lengths: np.ndarray, tokens_per_pack: int, context: int) -> dict:
+    """What splitting does to these samples: how many are split, into how many pieces, how many positions are
+    repeated as context. Positions trained = all of them, each once."""
+    samples = pieces = repeated = 0
+    for i in np.asarray(indices).tolist():
+        points = split_points(int(lengths[i]) - 1, tokens_per_pack, context)
+        if len(points) > 1:
+            samples, pieces, repeated = samples + 1, pieces + len(points), repeated + sum(c for _, c in points)
+    return {"samples": samples, "pieces": pieces, "context_positions": repeated,
+            "positions": int((np.asarray(lengths)[np.asarray(indices, dtype=int)] - 1).clip(min=0).sum())}
 
 
 def shard_for_rank(packs: list, rank: int, world: int) -> list:
@@ -50,17 +85,26 @@ def shard_for_rank(packs: list, rank: int, world: int) -> list:
     return packs[rank:usable:world]
 
 
-def collate(store: FeatureStore, pack: list[int], tokens_per_pack: int) -> dict[str, torch.Tensor]:
+def collate(store: FeatureStore, pack: list, tokens_per_pack: int) -> dict[str, torch.Tensor]:
+    """One [1, T] micro-batch from a pack of pieces (a bare sample index = the whole sample, which must fit)."""
     parts = {k: [] for k in ("input_ids", "hidden_states", "verifier_last_hidden_states", "loss_mask",
                              "position_ids", "document_ids")}
-    for doc, i in enumerate(pack):
+    for doc, piece in enumerate(pack):
+        i, start, context = (piece, 0, 0) if isinstance(piece, int) else piece
         s = store.sample(i)
-        n = min(len(s["input_ids"]) - 1, tokens_per_pack)
-        parts["input_ids"].append(s["input_ids"][1: n + 1])
-        parts["hidden_states"].append(s["aux_hidden"][:n])
-        parts["verifier_last_hidden_states"].append(s["last_hidden"][1: n + 1])
-        parts["loss_mask"].append(s["loss_mask"][1: n + 1].bool())
-        parts["position_ids"].append(torch.arange(1, n + 1))
+        m = len(s["input_ids"]) - 1
+        if isinstance(piece, int) and m > tokens_per_pack:
+            raise ValueError(f"sample {i} has {m} positions, more than tokens_per_pack={tokens_per_pack}: "
+                             f"plan it with plan_packs, which splits it")
+        n = min(m - start, tokens_per_pack)
+        a, b = start, start + n
+        mask = s["loss_mask"][a + 1: b + 1].bool().clone()
+        mask[:context] = False  # positions already trained in the window before: context only
+        parts["input_ids"].append(s["input_ids"][a + 1: b + 1])
+        parts["hidden_states"].append(s["aux_hidden"][a:b])
+        parts["verifier_last_hidden_states"].append(s["last_hidden"][a + 1: b + 1])
+        parts["loss_mask"].append(mask)
+        parts["position_ids"].append(torch.arange(a + 1, b + 1))
         parts["document_ids"].append(torch.full((n,), doc, dtype=torch.long))
     return {k: torch.cat(v)[None] for k, v in parts.items()}
 
@@ -68,7 +112,7 @@ def collate(store: FeatureStore, pack: list[int], tokens_per_pack: int) -> dict[
 class PackDataset(torch.utils.data.Dataset):
     """Map-style over a fixed list of packs; opens the store lazily (once per DataLoader worker)."""
 
-    def __init__(self, root: Path, packs: list[list[int]], tokens_per_pack: int):
+    def __init__(self, root: Path, packs: list[list[Piece]], tokens_per_pack: int):
         self.root, self.packs, self.tokens_per_pack = Path(root), packs, tokens_per_pack
         self._store = None
 

@@ -34,6 +34,7 @@ def finish(root: Path, tmp: Path, state: dict, keep_last: int) -> Path:
     os.replace(tmp, final)
     for old in complete(root)[:-keep_last] if keep_last else []:
         shutil.rmtree(old[0])
+    shutil.rmtree(Path(root) / REPLACED, ignore_errors=True)  # this run has a checkpoint of its own now
     return final
 
 
@@ -53,9 +54,21 @@ def latest(root: Path) -> Optional[tuple[Path, dict]]:
     return found[-1] if found else None
 
 
-def clear(root: Path) -> int:
-    """Remove every checkpoint (complete or not) and the final export under root; returns how many."""
-    gone = [d for d in Path(root).glob("step_*") if d.is_dir()] + [d for d in [Path(root) / "final"] if d.is_dir()]
-    for d in gone:
-        shutil.rmtree(d)
-    return len(gone)
+REPLACED = ".replaced"  # train/.replaced/: what a fresh start set aside, deleted once it has a checkpoint
+
+
+def set_aside(root: Path) -> int:
+    """A fresh start (train.resume=never, or nothing to resume): move every checkpoint and the final export into
+    root/.replaced/, where resume never looks. They are deleted only when this run commits its first checkpoint
+    (`finish`), so a run that fails before that (a damaged chunk, a crash) has destroyed nothing."""
+    moved = _checkpoint_dirs(root)
+    if moved:
+        aside = Path(root) / REPLACED / f"{len(list((Path(root) / REPLACED).glob('*'))):03d}"
+        aside.mkdir(parents=True)
+        for d in moved:
+            os.replace(d, aside / d.name)
+    return len(moved)
+
+
+def _checkpoint_dirs(root: Path) -> list[Path]:
+    return [d for d in Path(root).glob("step_*") if d.is_dir()] + [d for d in [Path(root) / "final"] if d.is_dir()]

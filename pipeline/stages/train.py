@@ -27,6 +27,7 @@ from pipeline.data.features_dataset import (
     plan_packs,
     shard_for_rank,
     split,
+    split_counts,
 )
 from pipeline.errors import UserError
 from pipeline.fingerprint import digest, shaping
@@ -48,6 +49,10 @@ def out_dir(cfg) -> Path:
     return RunDir.of(cfg).train
 
 
+def split_context(t) -> int:
+    return t.tokens_per_pack // 4 if t.split_context is None else t.split_context
+
+
 def check(cfg) -> None:
     t, problems = cfg.train, []
     for key in ("ttt_steps", "tokens_per_pack", "grad_accum", "epochs", "keep_last", "log_every_steps",
@@ -56,6 +61,9 @@ def check(cfg) -> None:
             problems.append(f"train.{key}={t[key]} must be >= 1")
     if t.max_steps is not None and t.max_steps < 1:
         problems.append(f"train.max_steps={t.max_steps} must be >= 1 (or null: epochs x packs / grad_accum)")
+    if t.split_context is not None and not 0 <= t.split_context < max(t.tokens_per_pack, 1):
+        problems.append(f"train.split_context={t.split_context} must be in [0, train.tokens_per_pack="
+                        f"{t.tokens_per_pack}) (or null: a quarter of it)")
     if not t.lr > 0:
         problems.append(f"train.lr={t.lr} must be > 0")
     if not 0 <= t.val_fraction < 1:
@@ -109,7 +117,7 @@ class Plan:
     epochs: list  # per epoch, this rank's packs
     val_packs: list
     total_steps: int
-    cut: dict  # samples longer than a pack: how many, and the tokens past the pack that are never trained on
+    split: dict  # samples longer than a pack: how many, into how many windows, positions repeated as context
 
 
 @dataclass
@@ -150,23 +158,23 @@ def _plan(cfg, store: fs.FeatureStore, rank: int, world: int) -> Plan:
     t = cfg.train
     lengths = store.sample_lengths()
     train_idx, val_idx = split(len(lengths), t.val_fraction, cfg.seed)
-    epochs = [shard_for_rank(plan_packs(train_idx, lengths, t.tokens_per_pack, cfg.seed, e), rank, world)
+    ctx = split_context(t)
+    epochs = [shard_for_rank(plan_packs(train_idx, lengths, t.tokens_per_pack, cfg.seed, e, context=ctx), rank, world)
               for e in range(t.epochs)]
     steps = sum(len(p) // t.grad_accum for p in epochs)
     total_steps = min(steps, t.max_steps or steps)
     if total_steps < 1:
         raise UserError(f"no optimizer step fits: {len(train_idx)} training samples make {len(epochs[0])} packs "
                         f"per rank, fewer than train.grad_accum={t.grad_accum}; lower tokens_per_pack or add data")
-    val_packs = shard_for_rank(plan_packs(val_idx, lengths, t.tokens_per_pack, cfg.seed, 0, shuffle=False), rank, world)
-    shifted = lengths[train_idx] - 1  # a pack holds shifted lengths (n - 1 predicted positions)
-    long = shifted > t.tokens_per_pack
-    cut = {"samples": int(long.sum()), "tokens": int((shifted[long] - t.tokens_per_pack).sum()),
-           "of_tokens": int(shifted.clip(min=0).sum())}
+    val_packs = shard_for_rank(plan_packs(val_idx, lengths, t.tokens_per_pack, cfg.seed, 0, shuffle=False,
+                                          context=ctx), rank, world)
+    cut = split_counts(train_idx, lengths, t.tokens_per_pack, ctx)  # nothing is cut: long samples are split
     if cut["samples"] and rank == 0:
-        log.warning("train: %d of %d training samples are longer than train.tokens_per_pack=%d: their last %d "
-                    "positions (%.1f%% of all) are cut and never trained on; raise tokens_per_pack to keep them",
-                    cut["samples"], len(train_idx), t.tokens_per_pack, cut["tokens"],
-                    100 * cut["tokens"] / max(cut["of_tokens"], 1))
+        log.info("train: %d of %d training samples are longer than train.tokens_per_pack=%d: split into %d "
+                    "windows, each later one repeating %d positions as unscored context (%d positions, %.1f%% "
+                    "of %d); every position is trained once", cut["samples"], len(train_idx), t.tokens_per_pack,
+                    cut["pieces"], ctx, cut["context_positions"], 100 * cut["context_positions"] /
+                    max(cut["positions"], 1), cut["positions"])
     return Plan(list(train_idx), list(val_idx), epochs, val_packs, total_steps, cut)
 
 
@@ -207,13 +215,13 @@ def _setup(cfg) -> tuple[Session, Plan]:
 
 
 def _resume_or_clear(cfg, s: Session) -> Progress:
-    """resume=auto: continue from the newest complete checkpoint of the same upstream; else start fresh, and
-    delete every earlier checkpoint so that none is ever resumed later."""
+    """resume=auto: continue from the newest complete checkpoint of the same upstream; else start fresh, with
+    every earlier checkpoint set aside (never resumed later; deleted once this run has a checkpoint)."""
     found = checkpoint.latest(s.root) if cfg.train.resume == Resume.auto else None
     if found:
         state = found[1]
         refuse = (f"checkpoint {found[0]} was trained on other inputs or another train config; "
-                  "use a new run_dir or train.resume=never (it deletes the checkpoints under train/)")
+                  "use a new run_dir or train.resume=never (it replaces the checkpoints under train/)")
         if state["upstream"] != s.upstream or state["seed"] != cfg.seed:  # read before load_state touches the model
             raise UserError(refuse)
         try:
@@ -227,9 +235,11 @@ def _resume_or_clear(cfg, s: Session) -> Progress:
                  p.done_in_epoch)
         return p
     if s.accelerator.is_main_process:
-        stale = checkpoint.clear(s.root)
+        stale = checkpoint.set_aside(s.root)
         if stale:
-            log.warning("train: starting fresh; removed %d earlier checkpoint/final folders under %s", stale, s.root)
+            log.warning("train: starting fresh; %d earlier checkpoint/final folders moved to %s, deleted when this "
+                        "run writes its first checkpoint (move them back before then to keep them)", stale,
+                        s.root / checkpoint.REPLACED)
     return Progress()
 
 
@@ -371,7 +381,7 @@ def _finish(accelerator, model, cfg, root: Path, step: int, final_val: dict, ups
     summary = {"produced_by": f"eaglepipe {__version__}", "optimizer_steps": step, "upstream": upstream,
                "val_before": first_val, "val_after": final_val,
                "val_samples": [int(i) for i in plan.val_idx],  # held out by sample; evaluate prompts from these
-               "cut_by_tokens_per_pack": plan.cut,
+               "split_by_tokens_per_pack": plan.split,
                "config": OmegaConf.to_container(cfg, resolve=True)}
     (final / "train_summary.json").write_text(json.dumps(summary, indent=1, default=str))
     _plot(rows, root / "plots", cfg.train.ttt_steps)

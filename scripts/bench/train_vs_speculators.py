@@ -77,10 +77,11 @@ def main(overrides):
     t = cfg.train
     lengths = store.sample_lengths()
     train_idx, val_idx = split(len(lengths), t.val_fraction, cfg.seed)
-    packs = plan_packs(train_idx, lengths, t.tokens_per_pack, cfg.seed, 0)
-    val_packs = plan_packs(val_idx, lengths, t.tokens_per_pack, cfg.seed, 0, shuffle=False)
+    ctx = train.split_context(t)
+    packs = plan_packs(train_idx, lengths, t.tokens_per_pack, cfg.seed, 0, context=ctx)
+    val_packs = plan_packs(val_idx, lengths, t.tokens_per_pack, cfg.seed, 0, shuffle=False, context=ctx)
     steps = min(len(packs), t.max_steps or len(packs))
-    tokens = sum(min(int(lengths[i]) - 1, t.tokens_per_pack) for p in packs[:steps] for i in p)
+    tokens = sum(min(int(lengths[i]) - 1 - start, t.tokens_per_pack) for p in packs[:steps] for i, start, _ in p)
     fwd = dict(ttt_steps=t.ttt_steps, ttt_step_loss_decay=t.ttt_step_loss_decay,
                loss_config=resolve_loss_config(t.loss, "eager"))
     folder = Path(store.facts["target_path"])

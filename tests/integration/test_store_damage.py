@@ -84,3 +84,18 @@ def test_extract_repair_redoes_the_damaged_shard_byte_identically(store_run, run
     manifest = "features/manifest.json"
     assert (run_copy / manifest).read_bytes() == (store_run / manifest).read_bytes()  # vocab still matches
     assert cli("check-store", f"run_dir={run_copy}", cache_dir=cache_dir).returncode == 0
+
+
+def test_resume_never_on_a_damaged_store_destroys_no_earlier_checkpoint(run_copy, cache_dir):
+    """train.resume=never used to delete every checkpoint and final/ first, then meet the damaged chunk (#12)."""
+    old = {"step_000010/train_state.json": '{"optimizer_step": 10}', "final/train_summary.json": '{"steps": 40}'}
+    for name, text in old.items():
+        (run_copy / "train" / name).parent.mkdir(parents=True, exist_ok=True)
+        (run_copy / "train" / name).write_text(text)
+    _flip(run_copy / "features/shard-00000.zarr/aux_hidden/c/1/0")
+    r = cli(*RUN, "stage=train", "train.resume=never", "train.save_every_steps=1000", f"run_dir={run_copy}",
+            cache_dir=cache_dir)
+    assert "fails its crc32c check" in _one_error_line(r)
+    aside = run_copy / "train" / ".replaced" / "000"
+    assert {name: (aside / name).read_text() for name in old} == old  # set aside, whole: move them back
+    assert "moved to" in r.stderr + r.stdout

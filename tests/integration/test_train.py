@@ -7,6 +7,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -135,31 +136,61 @@ def test_packing_isolates_documents(tiny_run):
     assert not torch.allclose(base[0], leaked[0], atol=1e-6, rtol=0)
 
 
-def test_packs_respect_the_token_budget_and_cover_each_sample_once():
+def test_packs_respect_the_token_budget_and_cover_each_position_once():
     import numpy as np
+
+    from pipeline.data.features_dataset import split_points
     lengths = np.array([5, 300, 40, 2, 1, 80, 700])
-    packs = plan_packs(np.arange(7), lengths, 400, seed=0, epoch=0)
-    flat = sorted(i for p in packs for i in p)
-    assert flat == [0, 1, 2, 3, 5, 6]  # the 1-token sample has no next token to predict
-    assert all(sum(min(lengths[i] - 1, 400) for i in p) <= 400 for p in packs)
-    assert packs != plan_packs(np.arange(7), lengths, 400, seed=0, epoch=1) or len(packs) == 1
+    packs = plan_packs(np.arange(7), lengths, 400, seed=0, epoch=0, context=100)
+    pieces = [piece for p in packs for piece in p]
+    assert sorted({i for i, _, _ in pieces}) == [0, 1, 2, 3, 5, 6]  # the 1-token sample has nothing to predict
+    assert all(sum(min(lengths[i] - 1 - a, 400) for i, a, _ in p) <= 400 for p in packs)
+    scored = {}  # every shifted position of every sample is scored in exactly one piece
+    for i, a, c in pieces:
+        for pos in range(a + c, a + min(lengths[i] - 1 - a, 400)):
+            scored[(i, pos)] = scored.get((i, pos), 0) + 1
+    assert set(scored.values()) == {1} and len(scored) == int((lengths - 1).clip(min=0).sum())
+    assert [(a, c) for i, a, c in pieces if i == 6] == [(0, 0), (300, 100)]  # 699 positions: 400 + 299 new
+    assert split_points(699, 400, 100) == [(0, 0), (300, 100)] and split_points(400, 400, 100) == [(0, 0)]
+    assert split_points(1000, 400, 0) == [(0, 0), (400, 0), (800, 0)]
+    assert packs != plan_packs(np.arange(7), lengths, 400, seed=0, epoch=1, context=100) or len(packs) == 1
 
 
-def test_samples_longer_than_a_pack_are_counted_not_cut_silently(make_cfg, tmp_path, caplog):
+def test_a_split_window_keeps_its_positions_and_scores_only_its_new_tokens(tiny_run):
+    cfg, run_dir = tiny_run
+    store = FeatureStore(run_dir / "features")
+    i = int(np.argmax(store.sample_lengths()))
+    s, m = store.sample(i), int(store.sample_lengths()[i]) - 1
+    whole = collate(store, [i], m)
+    window = collate(store, [(i, 40, 10)], 64)  # positions 40..103, the first 10 context only
+    n = min(m - 40, 64)
+    assert window["position_ids"][0].tolist() == list(range(41, 41 + n))
+    assert torch.equal(window["hidden_states"][0], whole["hidden_states"][0, 40:40 + n])
+    assert torch.equal(window["input_ids"][0], whole["input_ids"][0, 40:40 + n])
+    assert not window["loss_mask"][0, :10].any()
+    assert torch.equal(window["loss_mask"][0, 10:], s["loss_mask"][51:41 + n].bool())
+    with pytest.raises(ValueError, match="splits it"):
+        collate(store, [i], 16)  # a bare index must fit: nothing is ever cut silently
+
+
+def test_samples_longer_than_a_pack_are_split_not_cut(make_cfg, tmp_path, caplog):
     """tokens_per_pack=512 with samples up to 2,048 tokens once cut each sample to its first 512 tokens with
-    nothing in the log (issue #12, B7)."""
+    nothing in the log (issue #12, B7). Now they are split into windows; every position is trained once."""
     import logging
 
     from pipeline.formats.feature_store import FeatureStore as Store
 
-    caplog.set_level(logging.WARNING)
+    caplog.set_level(logging.INFO)
     for stage in ("prepare", "extract", "vocab", "train"):
         run_stages(make_cfg("+experiment=tiny", "data.limit=16", "train.max_steps=2", "train.tokens_per_pack=128",
                             f"stage={stage}", run_dir=tmp_path))
     summary = json.loads((tmp_path / "train" / "final" / "train_summary.json").read_text())
-    cut = summary["cut_by_tokens_per_pack"]
+    split_ = summary["split_by_tokens_per_pack"]
     lengths = Store(tmp_path / "features").sample_lengths()
     train_idx = [i for i in range(len(lengths)) if i not in set(summary["val_samples"])]
-    want = sum(max(int(lengths[i]) - 1 - 128, 0) for i in train_idx)
-    assert cut["tokens"] == want > 0 and cut["samples"] == sum(int(lengths[i]) - 1 > 128 for i in train_idx)
-    assert f"longer than train.tokens_per_pack=128: their last {want} positions" in caplog.text
+    long = [i for i in train_idx if int(lengths[i]) - 1 > 128]
+    # windows of 128 with stride 96 (context 32 = 128 // 4): 1 + ceil((m - 128) / 96) each
+    want = sum(1 + -(-(int(lengths[i]) - 1 - 128) // 96) for i in long)
+    assert split_["samples"] == len(long) > 0 and split_["pieces"] == want
+    assert split_["context_positions"] == 32 * (want - len(long))
+    assert f"longer than train.tokens_per_pack=128: split into {want} windows" in caplog.text

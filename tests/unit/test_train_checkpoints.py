@@ -90,7 +90,7 @@ def test_resume_refuses_a_checkpoint_of_another_seed(tmp_path):
         train._resume_or_clear(cfg(seed=0), s)
 
 
-def test_resume_never_starts_at_zero_and_deletes_every_earlier_checkpoint_and_final(tmp_path):
+def test_resume_never_starts_at_zero_and_sets_every_earlier_checkpoint_and_final_aside(tmp_path):
     s = session(tmp_path)
     save(s, 3)
     (tmp_path / "final").mkdir()
@@ -98,15 +98,17 @@ def test_resume_never_starts_at_zero_and_deletes_every_earlier_checkpoint_and_fi
     p = train._resume_or_clear(cfg(Resume.never), s)
     assert (p.step, p.epoch, p.done_in_epoch) == (0, 0, 0)
     assert s.accelerator.loaded == []
-    assert list(tmp_path.iterdir()) == []
+    assert [d.name for d in tmp_path.iterdir()] == [".replaced"]  # deleted at this run's first checkpoint
+    assert sorted(d.name for d in (tmp_path / ".replaced" / "000").iterdir()) == ["final", "step_000003",
+                                                                                 "step_000009.tmp"]
 
 
-def test_resume_auto_without_a_complete_checkpoint_starts_fresh_and_clears_half_written_ones(tmp_path):
+def test_resume_auto_without_a_complete_checkpoint_starts_fresh_and_sets_half_written_ones_aside(tmp_path):
     s = session(tmp_path)
     (tmp_path / "step_000002.tmp").mkdir()
     p = train._resume_or_clear(cfg(), s)
     assert (p.step, s.accelerator.loaded) == (0, [])
-    assert list(tmp_path.iterdir()) == []
+    assert [d.name for d in tmp_path.iterdir()] == [".replaced"]
 
 
 def test_only_the_main_process_clears(tmp_path):

@@ -73,13 +73,19 @@ def test_saving_a_step_again_replaces_it_and_begin_discards_a_stale_tmp(tmp_path
     assert ckpt.latest(tmp_path)[1]["epoch"] == 1
 
 
-def test_clear_removes_every_checkpoint_half_written_ones_and_final_but_nothing_else(tmp_path):
+def test_a_fresh_start_sets_every_checkpoint_aside_and_deletes_them_only_at_its_first_own_checkpoint(tmp_path):
     save(tmp_path, 1)
     save(tmp_path, 2)
     ckpt.begin(tmp_path, 3)
     (tmp_path / "final").mkdir()
     (tmp_path / "metrics.jsonl").write_text("{}\n")
     (tmp_path / "plots").mkdir()
-    assert ckpt.clear(tmp_path) == 4
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl", "plots"]
-    assert ckpt.clear(tmp_path) == 0
+    assert ckpt.set_aside(tmp_path) == 4
+    assert sorted(p.name for p in tmp_path.iterdir()) == [ckpt.REPLACED, "metrics.jsonl", "plots"]
+    assert ckpt.latest(tmp_path) is None  # resume never looks there
+    assert sorted(p.name for p in (tmp_path / ckpt.REPLACED / "000").iterdir()) == [
+        "final", "step_000001", "step_000002", "step_000003.tmp"]
+    assert ckpt.set_aside(tmp_path) == 0
+    save(tmp_path, 7)  # the new run's first complete checkpoint: now the old ones go
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl", "plots", "step_000007"]
+
