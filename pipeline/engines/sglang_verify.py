@@ -5,7 +5,8 @@ in the main one:   .venv-engines/bin/python -m pipeline.engines.sglang_verify EX
 Prints one JSON line: the engine version; tensors the loader consumed and dropped; engine parameters never
 written; whether hot_token_id == arange + d2t; and what SGLang's own server-side resolution
 (`resolve_spec_aux_hidden_state_config`) makes of this draft under ALGORITHM (default EAGLE3): whether
-the target captures aux hidden states and which layer ids it passes to `set_eagle3_layers_to_capture`.
+the target captures aux hidden states and which layer ids it passes to `set_eagle3_layers_to_capture`; and what
+the target's own class (built on meta) sets `layers_to_capture` to from those ids.
 """
 
 import json
@@ -53,6 +54,18 @@ def serving_resolution(args, algorithm: str) -> dict:
             "aux_layer_ids_read": resolved.eagle_aux_hidden_state_layer_ids}
 
 
+def target_capture(args, aux_ids_read) -> dict:
+    """What the TARGET's own SGLang class makes of the ids the draft config hands it: built on the meta device,
+    `set_eagle3_layers_to_capture(ids)` called as the EAGLE3 worker calls it; its `layers_to_capture` (the
+    loop indices whose input it captures) reported. DeepSeek-V3/Kimi classes number ids differently from Llama's."""
+    from pipeline.engines.sglang_capture import decoder_of, target_on_meta
+
+    target = target_on_meta(args)
+    target.set_eagle3_layers_to_capture(aux_ids_read)
+    return {"target_class": type(target).__name__,
+            "target_layers_to_capture": [int(i) for i in decoder_of(target).layers_to_capture]}
+
+
 def verify(export_dir: str, target_dir: str, algorithm: str = "EAGLE3") -> dict:
     import sglang
     import sglang.srt.models.llama_eagle3 as eagle3_module
@@ -80,8 +93,9 @@ def verify(export_dir: str, target_dir: str, algorithm: str = "EAGLE3") -> dict:
         hot_ok = hot is not None and torch.equal(hot, tensors["d2t"] + torch.arange(len(tensors["d2t"])))
         if hot_ok and "t2d" in tensors:
             hot_ok = bool(hot.max() < len(tensors["t2d"])) and torch.equal(hot, torch.nonzero(tensors["t2d"]).flatten())
+    capture = target_capture(args, serving["aux_layer_ids_read"]) if serving["captures_aux_hidden_states"] else {}
     return {"engine": "sglang", "engine_version": sglang.__version__, "class": type(model).__name__,
-            "hot_token_id_ok": hot_ok, **serving, **report}
+            "hot_token_id_ok": hot_ok, **serving, **capture, **report}
 
 
 if __name__ == "__main__":

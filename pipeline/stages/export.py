@@ -25,6 +25,7 @@ from pipeline.fingerprint import digest
 from pipeline.formats import export_layouts as lay
 from pipeline.formats import feature_store as fs
 from pipeline.formats import vocab_map
+from pipeline.models import targets
 from pipeline.run_dir import RunDir
 from pipeline.tools import verify
 
@@ -91,7 +92,9 @@ def run(cfg) -> Path:
                   "target_path": store.facts["target_path"], "target_fingerprint": store.facts["target_fingerprint"],
                   "features_manifest_hash": store.manifest_hash(), "vocab_coverage": vman["coverage"],
                   "train_summary_hash": digest((final / "train_summary.json").read_text()),
-                  "aux_layer_ids_eaglepipe": store.aux_layer_ids}
+                  "aux_layer_ids_eaglepipe": store.aux_layer_ids,
+                  "target_architecture": targets.architecture(Path(store.facts["target_path"]))}
+    arch = provenance["target_architecture"]
     layer = draft_cfg["transformer_layer_config"]
     for engine in cfg.export.engines:
         if engine not in ENGINES:
@@ -100,24 +103,28 @@ def run(cfg) -> Path:
         tmp = out.with_name(out.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
+        try:
+            engine_ids = lay.engine_layer_ids(engine, store.aux_layer_ids, arch)
+        except lay.AuxIdsUnservable as e:
+            raise UserError(f"export/{engine}: {e} (extract.aux_layers, then extract and train again)") from None
         if engine == "sglang":
             names = {lay.speculators_to_sglang_name(k): v for k, v in tensors.items()}
-            config = sglang_config(layer, draft_cfg, store)
+            config = sglang_config(layer, draft_cfg, store, engine_ids)
         else:
             names = dict(tensors)
-            config = vllm_config(draft_cfg, store)
+            config = vllm_config(draft_cfg, store, engine_ids)
         save_file(names, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
         (tmp / "serve.sh").write_text(serve_command(engine, store.facts["target_path"], out, cfg.export.serve) + "\n")
         os.chmod(tmp / "serve.sh", 0o755)
         rows = lay.tensor_table(names)
-        engine_ids = lay.engine_layer_ids(engine, store.aux_layer_ids)
         manifest = {"schema_version": lay.SCHEMA_VERSION, "engine": engine,
                     "engine_version_read": lay.engine_version(engine),
                     "aux_layer_ids_engine": engine_ids, **provenance, "tensors": rows}
         (tmp / "export_manifest.json").write_text(json.dumps(manifest, indent=1))
         problems, report = verify.verify_export(tmp, engine, store.facts, store.facts["target_path"],
-                                                cfg.export.verify_in_engine, verify.configured_python(cfg, engine))
+                                                cfg.export.verify_in_engine, verify.configured_python(cfg, engine),
+                                                arch)
         if report:
             manifest["verified_by"] = {k: report[k] for k in ("engine", "engine_version", "class")}
             (tmp / "export_manifest.json").write_text(json.dumps(manifest, indent=1))
@@ -130,7 +137,7 @@ def run(cfg) -> Path:
     return out_dir(cfg)
 
 
-def sglang_config(layer: dict, draft_cfg: dict, store: fs.FeatureStore) -> dict:
+def sglang_config(layer: dict, draft_cfg: dict, store: fs.FeatureStore, aux_ids: list[int]) -> dict:
     keep = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
             "rms_norm_eps", "max_position_embeddings", "rope_parameters", "hidden_act", "attention_bias",
             "bos_token_id", "eos_token_id")
@@ -141,14 +148,14 @@ def sglang_config(layer: dict, draft_cfg: dict, store: fs.FeatureStore) -> dict:
         "vocab_size": int(store.facts["vocab_size"]), "draft_vocab_size": int(draft_cfg["draft_vocab_size"]),
         "num_hidden_layers": 1, "tie_word_embeddings": False, "target_hidden_size": store.hidden_size,
         "torch_dtype": "bfloat16",
-        "eagle_config": {"eagle_aux_hidden_state_layer_ids": lay.sglang_layer_ids(store.aux_layer_ids),
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": aux_ids,
                          "use_aux_hidden_state": True},
     }
 
 
-def vllm_config(draft_cfg: dict, store: fs.FeatureStore) -> dict:
+def vllm_config(draft_cfg: dict, store: fs.FeatureStore, aux_ids: list[int]) -> dict:
     config = json.loads(json.dumps(draft_cfg))
-    config["eagle_aux_hidden_state_layer_ids"] = lay.vllm_layer_ids(store.aux_layer_ids)
+    config["eagle_aux_hidden_state_layer_ids"] = aux_ids
     config["speculators_config"]["verifier"]["name_or_path"] = store.facts["target_path"]
     for flag in ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output"):
         config[flag] = bool(config.get(flag, False))  # explicit: vLLM's defaults differ by route

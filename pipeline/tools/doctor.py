@@ -14,7 +14,7 @@ import shlex
 from pathlib import Path
 
 from pipeline.errors import UserError
-from pipeline.tools.verify import check_export, read_export
+from pipeline.tools.verify import check_export, export_architecture, read_export
 
 log = logging.getLogger(__name__)
 
@@ -98,7 +98,7 @@ def diagnose(export_dir: Path, line: str | None = None, server: str | None = Non
         findings.append(f"this export is in {manifest['engine']}'s layout but the line starts {launch['engine']} -> "
                         f"use {export_dir.parent / launch['engine']}")
     findings += [f"{p} -> re-export with `eaglepipe stage=export run_dir={manifest['run_dir']}`"
-                 for p in check_export(export_dir, manifest["engine"], facts)]
+                 for p in check_export(export_dir, manifest["engine"], facts, export_architecture(manifest))]
     return findings
 
 

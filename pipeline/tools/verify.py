@@ -25,6 +25,7 @@ from safetensors.torch import load_file
 from pipeline.errors import UserError
 from pipeline.formats import export_layouts as lay
 from pipeline.formats import vocab_map
+from pipeline.models import targets
 from pipeline.run_dir import RunDir
 
 log = logging.getLogger(__name__)
@@ -45,6 +46,18 @@ def read_export(folder: Path) -> tuple[dict, dict]:
     if not store.is_file():
         raise UserError(f"the export's feature store {store} is gone: the aux ids cannot be checked against it")
     return manifest, json.loads(store.read_text())["facts"]
+
+
+def export_architecture(manifest: dict) -> str:
+    """The target class the export was made for (its aux ids' SGLang numbering depends on it): recorded in the
+    manifest since 2026-12-01; for an older export, read from the target folder."""
+    if manifest.get("target_architecture") is not None:
+        return manifest["target_architecture"]
+    folder = Path(manifest["target_path"])
+    if not (folder / "config.json").is_file():
+        raise UserError(f"the export's target {folder} is gone and its manifest does not name the target class: "
+                        "re-export it")
+    return targets.architecture(folder)
 
 
 def engine_python(engine: str, python: str | None = None) -> str:
@@ -74,8 +87,9 @@ def engine_report(folder: Path, engine: str, target_dir: str, python: str | None
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
-def engine_problems(report: dict, want_ids: list[int] | None = None) -> list[str]:
-    """Every problem in an engine report; `want_ids` = the store's aux ids in that engine's numbering."""
+def engine_problems(report: dict, want_ids: list[int] | None = None, ours: list[int] | None = None) -> list[str]:
+    """Every problem in an engine report; `want_ids` = the store's aux ids in that engine's numbering, `ours` =
+    the store's own (the outputs of which layers the target must capture)."""
     who = f"{report['class']} ({report['engine']} {report['engine_version']})"
     problems = [f"{who} raised while loading: {e}" for e in report["errors"]]
     if report["dropped"]:
@@ -90,20 +104,27 @@ def engine_problems(report: dict, want_ids: list[int] | None = None) -> list[str
     if want_ids is not None and read != want_ids:
         problems.append(f"{who} reads aux layer ids {read} from the config, the store needs {want_ids}"
                         + (" (None: the engine's default layers)" if read is None else ""))
+    captured = report.get("target_layers_to_capture")  # SGLang: what the target class itself made of them
+    if ours is not None and "target_layers_to_capture" in report and captured != [k + 1 for k in ours]:
+        problems.append(f"the target's own {report.get('target_class')} captures the inputs of layers {captured}, "
+                        f"i.e. the outputs of layers {[k - 1 for k in captured or []]}; the draft was trained "
+                        f"on the outputs of {ours}")
     return problems
 
 
 def verify_export(folder: Path, engine: str, facts: dict, target_dir: str, in_engine: bool = True,
-                  python: str | None = None) -> tuple[list[str], dict | None]:
-    """(problems, engine report or None). Engine-free checks first; the engine only if they pass."""
-    problems = check_export(folder, engine, facts)
+                  python: str | None = None, architecture: str = "") -> tuple[list[str], dict | None]:
+    """(problems, engine report or None). Engine-free checks first; the engine only if they pass.
+    `architecture` = the target's class (config.json `architectures[0]`)."""
+    problems = check_export(folder, engine, facts, architecture)
     if problems or not in_engine:
         return problems, None
     report = engine_report(folder, engine, target_dir, python)
-    return engine_problems(report, lay.engine_layer_ids(engine, facts["aux_layer_ids"])), report
+    ours = facts["aux_layer_ids"]
+    return engine_problems(report, lay.engine_layer_ids(engine, ours, architecture), ours), report
 
 
-def check_export(folder: Path, engine: str, facts: dict) -> list[str]:
+def check_export(folder: Path, engine: str, facts: dict, architecture: str = "") -> list[str]:
     """Every problem with an export folder that needs no engine. Empty list = good."""
     folder = Path(folder)
     config, tensors, problems = _read_files(folder)
@@ -113,7 +134,10 @@ def check_export(folder: Path, engine: str, facts: dict) -> list[str]:
     want_ids = facts["aux_layer_ids"]
     ids = ((config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids") if engine == "sglang"
            else config.get("eagle_aux_hidden_state_layer_ids"))
-    engine_want = lay.engine_layer_ids(engine, want_ids)
+    try:
+        engine_want = lay.engine_layer_ids(engine, want_ids, architecture)
+    except lay.AuxIdsUnservable as e:
+        return problems + [str(e)]
     if not ids:
         problems.append("aux layer ids missing from config.json: the engine would capture its default layers")
     elif ids != engine_want:
@@ -206,7 +230,7 @@ def run(cfg) -> Path:
         if engine != manifest["engine"]:
             print(f"verify: {folder} is in {manifest['engine']}'s layout; checking it as {engine} anyway")
         problems, report = verify_export(folder, engine, facts, manifest["target_path"], True,
-                                         configured_python(cfg, engine))
+                                         configured_python(cfg, engine), export_architecture(manifest))
         for p in problems:
             print(f"verify: {engine}: {p}")
         if problems:

@@ -26,9 +26,10 @@ _iu.DummyObject.__getattribute__ = _getattr
 PY
   touch "$S/.done"
 fi
-T=$(.venv/bin/python -c "from pipeline.models import targets; from hydra import compose, initialize_config_dir; from pipeline.config import register
+folder() { .venv/bin/python -c "from pipeline.models import targets; from hydra import compose, initialize_config_dir; from pipeline.config import register
 register()
-with initialize_config_dir(config_dir='$PWD/conf', version_base='1.3'): c = compose('config', overrides=['target=tiny', 'cache_dir=${EAGLEPIPE_CACHE:-$PWD/.cache/eaglepipe}'])
-print(targets.resolve(c.target, c.cache_dir))" | tail -1)
-EAGLEPIPE_CONTRACT_TARGET=$T PYTHONPATH="$FIX:$S:$PWD" .venv-engines/bin/python -m pytest --noconftest -q -p no:cacheprovider \
+with initialize_config_dir(config_dir='$PWD/conf', version_base='1.3'): c = compose('config', overrides=['target=$1', 'cache_dir=${EAGLEPIPE_CACHE:-$PWD/.cache/eaglepipe}'])
+print(targets.resolve(c.target, c.cache_dir))" | tail -1; }
+T=$(folder tiny); K=$(folder kimi_tiny)
+EAGLEPIPE_CONTRACT_KIMI_TARGET=$K EAGLEPIPE_CONTRACT_TARGET=$T PYTHONPATH="$FIX:$S:$PWD" .venv-engines/bin/python -m pytest --noconftest -q -p no:cacheprovider \
   tests/engine_contract

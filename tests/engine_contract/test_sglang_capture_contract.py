@@ -40,7 +40,7 @@ def test_the_installed_sglang_is_a_release_the_capture_code_supports():
 
 def test_our_aux_ids_make_sglang_capture_the_outputs_of_the_same_layers(target):
     assert type(target).__name__ == "LlamaForCausalLM" and len(target.model.layers) == 8
-    target.set_eagle3_layers_to_capture(lay.sglang_layer_ids([1, 3, 4]))
+    target.set_eagle3_layers_to_capture(lay.sglang_layer_ids([1, 3, 4], type(target).__name__))
     # SGLang captures the residual stream ENTERING layer k+1 = the output of layer k = our id k
     assert target.model.layers_to_capture == [2, 4, 5] and target.capture_aux_hidden_states is True
 

@@ -18,10 +18,11 @@ pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_contract_suite_passes_inside_the_engines_venv(tiny_folder):
+def test_contract_suite_passes_inside_the_engines_venv(tiny_folder, kimi_folder):
     r = subprocess.run([str(ENGINES_PYTHON), "-m", "pytest", "--noconftest", "-q",
                         "-p", "no:cacheprovider", "tests/engine_contract"], cwd=ROOT, capture_output=True, text=True,
-                       env={**os.environ, "EAGLEPIPE_CONTRACT_TARGET": str(tiny_folder), "PYTHONPATH": str(ROOT)})
+                       env={**os.environ, "EAGLEPIPE_CONTRACT_TARGET": str(tiny_folder),
+                            "EAGLEPIPE_CONTRACT_KIMI_TARGET": str(kimi_folder), "PYTHONPATH": str(ROOT)})
     assert r.returncode == 0 and " passed" in r.stdout and "skipped" not in r.stdout, r.stdout[-3000:] + r.stderr[-2000:]
 
 
