@@ -239,7 +239,10 @@ def run(cfg) -> Path:
         print(f"verify: {folder} loads completely into {report['engine']} {report['engine_version']}'s own "
               f"{report['class']}: {len(report['consumed'])} tensors consumed, 0 dropped, "
               f"every engine parameter written but the embedding (the target's), aux layer ids "
-              f"{report['aux_layer_ids_read']} read by the engine, draft->target ids = arange + d2t")
+              f"{report['aux_layer_ids_read']} read by the engine"
+              + (f" (the target's own {report['target_class']} captures the outputs of layers "
+                 f"{[k - 1 for k in report['target_layers_to_capture']]})" if report.get("target_class") else "")
+              + ", draft->target ids = arange + d2t")
     if failed:
         raise UserError(f"{failed} of {len(folders)} export(s) failed verification")
     return folders[0].parent

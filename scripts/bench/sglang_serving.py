@@ -337,7 +337,8 @@ def main() -> None:
         pool = ThreadPoolExecutor(1)  # SGLang's own class on CPU while the server starts
         facts = json.loads(store_manifest.read_text())["facts"]
         from pipeline.formats.export_layouts import engine_layer_ids
-        want = engine_layer_ids("sglang", [int(i) for i in facts["aux_layer_ids"]])
+        from pipeline.models.targets import architecture
+        want = engine_layer_ids("sglang", [int(i) for i in facts["aux_layer_ids"]], architecture(Path(target)))
         fut = pool.submit(engine_check, folder, target, "EAGLE" if case == "eagle" else "EAGLE3", want) \
             if not a.no_engine_check else None
         info = start_server(line + deploy, log, SPEC_PORT, max(60, min(300, left - 30)))

@@ -8,6 +8,7 @@
 #   bash scripts/bench/sglang_serving.sh collect            # results and logs into $OUT
 #   bash scripts/bench/sglang_serving.sh start-full         # issue #10's second plan (below), in its own session
 #   bash scripts/bench/sglang_serving.sh capture            # capture through SGLang alone: parity, store, bench, tests/gpu
+#   bash scripts/bench/sglang_serving.sh start-kimi         # issue #13: kimi_tiny chain + SGLang serving, in its own session
 # `full`: a no-speculation server; prepare REGENERATES through it; parity hf vs sglang over the whole set;
 # extract.backend=sglang; SGLang's capture vs its own prefill; vocab; train (beside it: tests/gpu and the
 # same regeneration by local HF, for comparison); export; the export served (online vs baseline at
@@ -72,6 +73,33 @@ print(targets.resolve(c.target, c.cache_dir))" | tail -1); echo "target $T"
     echo "=== tests/gpu $(date +%T)"; EAGLEPIPE_GPU_OVERRIDES="target.path=/tmp/model/smol.gguf $SX" EAGLEPIPE_CACHE=/tmp/epcache \
       PYTHONPATH=$SGL python3 -m pytest -m requires_sglang_gpu tests/gpu -q -p no:cacheprovider 2>&1 | tail -5
     touch $W/capture.done;;
+  kimi)
+    # issue #13 on the GPU: target=kimi_tiny (DeepseekV3ForCausalLM, MLA + MoE) regenerates its own answers (HF),
+    # parity hf vs sglang, extract through SGLang, train the Llama-layout draft, export, offline tau, then the
+    # export served by SGLang with EAGLE3 (online accept length) beside a no-speculation server
+    K=/tmp/kimirun; KW=/tmp/kimiserve; mkdir -p $KW; SGL="/tmp/sgl-site:/tmp/site:$PWD"
+    SX="extract.sglang_attention_backend=triton extract.sglang_mem_fraction=0.5"
+    KA="+experiment=gpu_smollm2 target=kimi_tiny cache_dir=/tmp/epcache run_dir=$K export.verify_in_engine=false \
+train.wandb.mode=disabled eval.max_draft=3 export.serve.sglang_args=[--attention-backend,triton] data.limit=800 \
+prepare.max_new_tokens=96 vocab.draft_vocab_size=256 train.epochs=4 eval.num_prompts=12 eval.max_new_tokens=48"
+    step() { echo "=== kimi $1 $(date +%T)"; }
+    [ "${KIMI_FROM:-}" = vocab ] || {  # KIMI_FROM=vocab: the store is there already (a second call)
+    step prepare; python3 -m pipeline $KA stage=prepare > $KW/prepare.log 2>&1; tail -2 $KW/prepare.log
+    step parity; PYTHONPATH=$SGL timeout 200 python3 -m pipeline $KA stage=parity extract.limit=300 $SX > $KW/parity.log 2>&1; grep -aE "parity:|tokens written|Error" $KW/parity.log | tail -8
+    step extract-sglang; PYTHONPATH=$SGL timeout 200 python3 -m pipeline $KA stage=extract extract.backend=sglang $SX > $KW/extract.log 2>&1 \
+      || { echo "extract sglang FAILED: hf instead"; grep -a Error $KW/extract.log | tail -3; python3 -m pipeline $KA stage=extract extract.overwrite=true > $KW/extract_hf.log 2>&1; }
+    grep -ah "tokens written" $KW/extract*.log; }
+    for s in vocab train export evaluate; do step $s; python3 -m pipeline $KA stage=$s > $KW/$s.log 2>&1 || { echo "$s FAILED"; tail -5 $KW/$s.log; }; done
+    grep -a "tau" $KW/evaluate.log | tail -4
+    T=$(python3 -c "import json; print(json.load(open('$K/features/manifest.json'))['facts']['target_path'])")
+    step serve; python3 scripts/bench/sglang_serving.py --run-dir $K --work $KW --budget 260 --case-s 60 --target $T \
+      --served-name kimi-tiny --overrides "$KA" --no-engine-check baseline good 2>&1 | tail -4
+    python3 scripts/bench/sglang_serving.py --work $KW --run-dir $K stop-baseline > /dev/null 2>&1
+    [ -n "${OUT:-}" ] && { cp $KW/*.json $K/parity/parity.json $K/eval/acceptance.json $OUT/ 2>/dev/null; \
+      tar czf $OUT/kimi_logs.tgz --ignore-failed-read $KW/*.log $K/stages.json $K/export/sglang/config.json $K/export/sglang/serve.sh 2>/dev/null; }
+    touch $W/kimi.done; step done;;
+  start-kimi)
+    rm -f $W/kimi.done; setsid bash "$0" kimi >> $W/kimi.log 2>&1 < /dev/null & echo "kimi pgid $!"; echo $! > $W/kimi.pgid;;
   start-full)
     setsid bash "$0" full > $W/chain.log 2>&1 < /dev/null & echo "full pgid $!"; echo $! > $W/chain.pgid;;
   start-chain)
