@@ -163,6 +163,9 @@ class TrainConfig:
     # a sample longer than a pack is split into windows of tokens_per_pack; each later window repeats this many
     # positions before it as context (attended to, not scored). null = tokens_per_pack // 4
     split_context: Optional[int] = None
+    # pad every pack to exactly tokens_per_pack (document id -1, loss mask 0): one shape for every step, so a
+    # compiled step compiles once (issue #14); the loss and its gradients are those of the unpadded pack
+    pad_packs: bool = False
     grad_accum: int = 1
     epochs: int = 1
     max_steps: Optional[int] = None  # null = epochs x packs / grad_accum

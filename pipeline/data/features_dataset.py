@@ -85,8 +85,10 @@ def shard_for_rank(packs: list, rank: int, world: int) -> list:
     return packs[rank:usable:world]
 
 
-def collate(store: FeatureStore, pack: list, tokens_per_pack: int) -> dict[str, torch.Tensor]:
-    """One [1, T] micro-batch from a pack of pieces (a bare sample index = the whole sample, which must fit)."""
+def collate(store: FeatureStore, pack: list, tokens_per_pack: int, pad: bool = False) -> dict[str, torch.Tensor]:
+    """One [1, T] micro-batch from a pack of pieces (a bare sample index = the whole sample, which must fit).
+    pad=True: padded to exactly tokens_per_pack (document id -1, loss mask 0, zero states), so every step has
+    one shape; speculators' mask keeps a padded position to itself and its loss counts nothing."""
     parts = {k: [] for k in ("input_ids", "hidden_states", "verifier_last_hidden_states", "loss_mask",
                              "position_ids", "document_ids")}
     for doc, piece in enumerate(pack):
@@ -106,14 +108,25 @@ def collate(store: FeatureStore, pack: list, tokens_per_pack: int) -> dict[str, 
         parts["loss_mask"].append(mask)
         parts["position_ids"].append(torch.arange(a + 1, b + 1))
         parts["document_ids"].append(torch.full((n,), doc, dtype=torch.long))
-    return {k: torch.cat(v)[None] for k, v in parts.items()}
+    batch = {k: torch.cat(v)[None] for k, v in parts.items()}
+    return pad_batch(batch, tokens_per_pack) if pad else batch
+
+
+def pad_batch(batch: dict[str, torch.Tensor], length: int) -> dict[str, torch.Tensor]:
+    """A [1, n] micro-batch padded on the right to [1, length]: positions that attend only to themselves
+    (document id -1) and are never scored (loss mask 0)."""
+    extra = length - batch["input_ids"].shape[1]
+    if extra <= 0:
+        return batch
+    fill = {"document_ids": -1}
+    return {k: torch.cat([v, v.new_full((1, extra, *v.shape[2:]), fill.get(k, 0))], dim=1) for k, v in batch.items()}
 
 
 class PackDataset(torch.utils.data.Dataset):
     """Map-style over a fixed list of packs; opens the store lazily (once per DataLoader worker)."""
 
-    def __init__(self, root: Path, packs: list[list[Piece]], tokens_per_pack: int):
-        self.root, self.packs, self.tokens_per_pack = Path(root), packs, tokens_per_pack
+    def __init__(self, root: Path, packs: list[list[Piece]], tokens_per_pack: int, pad: bool = False):
+        self.root, self.packs, self.tokens_per_pack, self.pad = Path(root), packs, tokens_per_pack, pad
         self._store = None
 
     def __len__(self) -> int:
@@ -123,6 +136,6 @@ class PackDataset(torch.utils.data.Dataset):
         if self._store is None:
             self._store = FeatureStore(self.root)
         try:
-            return collate(self._store, self.packs[k], self.tokens_per_pack)
+            return collate(self._store, self.packs[k], self.tokens_per_pack, self.pad)
         except ChunkError as e:  # a DataLoader worker would re-raise it wrapped in its traceback text
             return {STORE_ERROR: str(e)}

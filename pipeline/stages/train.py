@@ -264,7 +264,8 @@ def _loop(cfg, s: Session, plan: Plan, p: Progress) -> None:
     with tqdm(total=plan.total_steps, initial=p.step, disable=not acc.is_local_main_process, desc="train") as bar:
         while p.step < plan.total_steps and p.epoch < t.epochs:
             packs = plan.epochs[p.epoch]
-            loader = torch.utils.data.DataLoader(PackDataset(s.store.root, packs[p.done_in_epoch:], t.tokens_per_pack),
+            loader = torch.utils.data.DataLoader(PackDataset(s.store.root, packs[p.done_in_epoch:], t.tokens_per_pack,
+                                                             t.pad_packs),
                                                  batch_size=None, shuffle=False, num_workers=t.num_workers,
                                                  pin_memory=acc.device.type == "cuda")
             s.model.train()
@@ -273,7 +274,7 @@ def _loop(cfg, s: Session, plan: Plan, p: Progress) -> None:
                     raise UserError(batch[STORE_ERROR])
                 metrics = _micro_step(t, s, batch)
                 p.done_in_epoch += 1
-                window_tokens += batch["input_ids"].numel()
+                window_tokens += int((batch["document_ids"] != -1).sum())  # real tokens, padding not counted
                 for k, v in metrics.items():  # summed on the device; read back only when logging (no per-step sync)
                     window[k] = window[k] + v.detach()
                 if not acc.sync_gradients:
@@ -340,7 +341,8 @@ def _validate(accelerator, model, cfg, packs: list, fwd: dict) -> dict:
     store = RunDir.of(cfg).open_features()
     from pipeline.data.features_dataset import collate
     for pack in packs:
-        batch = {k: v.to(accelerator.device) for k, v in collate(store, pack, cfg.train.tokens_per_pack).items()}
+        batch = {k: v.to(accelerator.device)
+                 for k, v in collate(store, pack, cfg.train.tokens_per_pack, cfg.train.pad_packs).items()}
         _, _, m = model(**_cast(batch, accelerator), **fwd)
         for k, v in m.items():
             sums[k] += float(v)

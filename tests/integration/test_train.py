@@ -194,3 +194,41 @@ def test_samples_longer_than_a_pack_are_split_not_cut(make_cfg, tmp_path, caplog
     assert split_["samples"] == len(long) > 0 and split_["pieces"] == want
     assert split_["context_positions"] == 32 * (want - len(long))
     assert f"longer than train.tokens_per_pack=128: split into {want} windows" in caplog.text
+
+
+def test_a_padded_pack_gives_the_loss_metrics_and_gradients_of_the_unpadded_one(tiny_run):
+    """train.pad_packs=true (one shape per step, issue #14): the padding attends only to itself, is never scored,
+    and changes nothing the optimizer sees. fp32 on CPU."""
+    from speculators.losses.utils import resolve_loss_config
+
+    from pipeline.data.features_dataset import pad_batch
+    from pipeline.models import targets
+    cfg, run_dir = tiny_run
+    store = FeatureStore(run_dir / "features")
+    folder = Path(store.facts["target_path"])
+    d2t, t2d, _ = train.load_inputs(cfg)[1:]
+    model = draft.build(folder, targets.load_config(folder, cfg.target), store.aux_layer_ids, d2t, t2d, 3)
+    fwd = dict(ttt_steps=3, ttt_step_loss_decay=1.0, loss_config=resolve_loss_config("kl_div", "eager"))
+    lengths = store.sample_lengths()
+    packs = plan_packs(np.arange(len(lengths)), lengths, 512, seed=0, epoch=0, context=128)
+    pack = next(p for p in packs if len(p) > 1 and sum(min(lengths[i] - 1 - a, 512) for i, a, _ in p) < 500)
+    exact = collate(store, pack, 512)
+    padded = collate(store, pack, 512, pad=True)
+    n = exact["input_ids"].shape[1]
+    assert padded["input_ids"].shape == (1, 512) and n < 512 and (padded["document_ids"][0, n:] == -1).all()
+    assert torch.equal(pad_batch(exact, 512)["loss_mask"], padded["loss_mask"])
+
+    def loss_metrics_grads(batch):
+        model.zero_grad()
+        b = {k: (v.float() if v.is_floating_point() else v) for k, v in batch.items()}
+        _, loss, metrics = model(**b, **fwd)
+        loss.backward()
+        return loss.detach(), {k: float(v) for k, v in metrics.items()}, \
+            {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
+
+    (l0, m0, g0), (l1, m1, g1) = loss_metrics_grads(exact), loss_metrics_grads(padded)
+    assert torch.allclose(l0, l1, rtol=1e-5, atol=1e-7), (l0, l1)
+    assert m0.keys() == m1.keys() and all(abs(m0[k] - m1[k]) <= 1e-5 * max(1.0, abs(m0[k])) for k in m0), (m0, m1)
+    assert g0.keys() == g1.keys() and g0
+    for k in g0:
+        assert torch.allclose(g0[k], g1[k], rtol=1e-4, atol=1e-7), k
