@@ -37,16 +37,14 @@ class ExportedDraft:
         self.heads, self.kv = config["num_attention_heads"], config["num_key_value_heads"]
         self.hd = config.get("head_dim") or config["hidden_size"] // self.heads
         self.eps = config["rms_norm_eps"]
-        theta = (config.get("rope_parameters") or {}).get("rope_theta", config.get("rope_theta", 10000.0))
-        self.inv_freq = (1.0 / theta ** (torch.arange(0, self.hd, 2).float() / self.hd)).to(device)
+        self.rotary = _rotary(config, self.hd).to(device)  # the rope the config names (yarn for Kimi), as trained
         self.d2t = self.w["d2t"]
 
     def _rms(self, x, name):
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.w[name]
 
     def _rope(self, x, pos):
-        f = torch.outer(pos.float(), self.inv_freq)
-        cos, sin = torch.cat([f, f], -1).cos()[None], torch.cat([f, f], -1).sin()[None]
+        cos, sin = self.rotary(x, pos[None])  # [1, T, hd], attention scaling (yarn's mscale) included
         x1, x2 = x[..., : self.hd // 2], x[..., self.hd // 2:]
         return x * cos + torch.cat([-x2, x1], -1) * sin
 
@@ -72,6 +70,20 @@ class ExportedDraft:
     def next_target_id(self, out_hidden: torch.Tensor) -> int:
         d = int(torch.argmax(self._rms(out_hidden, "norm.weight") @ self.w["lm_head.weight"].T))
         return d + int(self.d2t[d])
+
+
+def _rotary(config: dict, head_dim: int):
+    """transformers' Llama rotary embedding for the export's rope (default, yarn, ...): the one the draft trained
+    with (speculators builds its layer from a LlamaConfig) and the one SGLang's Llama draft reads from config.json."""
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    rope = dict(config.get("rope_parameters") or {"rope_type": "default"})
+    rope.setdefault("rope_theta", config.get("rope_theta", 10000.0))
+    return LlamaRotaryEmbedding(LlamaConfig(hidden_size=config["hidden_size"], head_dim=head_dim,
+                                            num_attention_heads=config["num_attention_heads"],
+                                            max_position_embeddings=config["max_position_embeddings"],
+                                            rope_parameters=rope))
 
 
 @torch.no_grad()

@@ -11,6 +11,7 @@ import json
 
 import pytest
 
+from exported_forward import exported_minus_speculators_logits
 from mutations import mutated_copy
 from pipeline.runner import run_stages
 from pipeline.tools.verify import check_export, engine_problems, engine_report
@@ -22,11 +23,17 @@ RUN = ["+experiment=tiny", "target=kimi_tiny", "data.limit=12", "train.max_steps
 
 
 @pytest.fixture(scope="module")
-def kimi_run(make_cfg, tmp_path_factory):
+def kimi_cfg(make_cfg, tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("kimi_run")
-    run_stages(make_cfg(*RUN, "stage=all", run_dir=run_dir))
-    facts = json.loads((run_dir / "features" / "manifest.json").read_text())["facts"]
-    return run_dir, facts
+    cfg = make_cfg(*RUN, "stage=all", run_dir=run_dir)
+    run_stages(cfg)
+    return cfg, run_dir
+
+
+@pytest.fixture(scope="module")
+def kimi_run(kimi_cfg):
+    run_dir = kimi_cfg[1]
+    return run_dir, json.loads((run_dir / "features" / "manifest.json").read_text())["facts"]
 
 
 def test_every_stage_runs_on_the_deepseek_v3_target_and_both_exports_load_completely(kimi_run):
@@ -62,3 +69,10 @@ def test_the_aux_capture_check_fails_for_the_kimi_class(kimi_run, tmp_path, edit
     report = engine_report(bad, "sglang", facts["target_path"])
     found = engine_problems(report, [3, 4, 6], AUX)
     assert any("the target's own DeepseekV3ForCausalLM captures the inputs of layers" in f for f in found), (why, found)
+
+
+def test_the_offline_bench_reads_the_export_with_the_targets_yarn_rope(kimi_cfg):
+    """Kimi's rope is yarn: the offline bench's reference forward once took plain rope from rope_theta alone."""
+    cfg, run_dir = kimi_cfg
+    assert json.loads((run_dir / "export" / "sglang" / "config.json").read_text())["rope_parameters"]["rope_type"] == "yarn"
+    assert exported_minus_speculators_logits(cfg, run_dir) <= 1e-5
