@@ -1,3 +1,4 @@
+import pytest
 import torch
 
 from pipeline.formats import export_layouts as lay
@@ -6,6 +7,18 @@ from pipeline.formats import export_layouts as lay
 def test_engine_layer_numbering():
     assert lay.sglang_layer_ids([1, 14, 26]) == [1, 14, 26]
     assert lay.vllm_layer_ids([1, 14, 26]) == [2, 15, 27]
+
+
+def test_sglang_deepseek_classes_number_aux_ids_by_their_first_element():
+    for arch in ("DeepseekV3ForCausalLM", "KimiK25ForConditionalGeneration"):
+        assert lay.sglang_layer_ids([1, 29, 57], arch) == [1, 29, 57]  # first id 1: read as Llama's
+        assert lay.sglang_layer_ids([2, 29, 57], arch) == [3, 30, 58]  # otherwise as "before these layers"
+        for ours in ([1, 29, 57], [2, 29, 57], [5]):  # the class's own reading gives back our layers' outputs
+            assert lay.sglang_capture_points(lay.sglang_layer_ids(ours, arch), arch) == [k + 1 for k in ours]
+    assert lay.sglang_layer_ids([2, 29, 57], "LlamaForCausalLM") == [2, 29, 57]
+    assert lay.engine_layer_ids("vllm", [2, 29, 57], "DeepseekV3ForCausalLM") == [3, 30, 58]
+    with pytest.raises(lay.AuxIdsUnservable, match="start the aux layers at 1"):
+        lay.engine_layer_ids("sglang", [0, 29, 57], "DeepseekV3ForCausalLM")
 
 
 def test_sglang_replay_fuses_stacked_shards_and_reports_unwritten_params():
