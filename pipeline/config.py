@@ -6,7 +6,7 @@ when the config is composed, before any stage runs.
 
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Optional
+from typing import List, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
@@ -210,7 +210,10 @@ class ExportConfig:
 
 @dataclass
 class EvalConfig:
-    num_prompts: int = 8  # held-out validation samples, cut where the assistant starts answering
+    # prompt sets: heldout (validation samples, cut where the assistant starts answering), mt_bench, humaneval
+    # (pipeline/data/prompt_sets.py: data files of PyPI wheels); heldout -> eval/, another set -> eval/<set>/
+    sets: List[str] = field(default_factory=lambda: ["heldout"])
+    num_prompts: int = 8  # per set
     prompt_tokens: int = 384  # longest prompt used
     max_new_tokens: int = 32
     max_draft: int = 5  # draft lengths 1..max_draft

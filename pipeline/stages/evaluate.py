@@ -1,4 +1,6 @@
-"""Stage `evaluate`: how many tokens the exported draft gets accepted, on the prompts train held out.
+"""Stage `evaluate`: how many tokens the exported draft gets accepted, per prompt set (`eval.sets`): the prompts
+train held out (`heldout`, written to eval/), and standard sets from PyPI wheels (mt_bench, humaneval:
+pipeline/data/prompt_sets.py; each written to eval/<set>/, with one table over the sets in eval/sets.json).
 
 Two benches, one entry shape (`measure(cfg, store, prompts, out)`):
 - offline (default, no server): pipeline/acceptance/offline.py, greedy chain speculative decoding with the local
@@ -17,6 +19,7 @@ import torch
 
 from pipeline.acceptance import offline as offline_bench
 from pipeline.acceptance import online as online_bench
+from pipeline.data import prompt_sets
 from pipeline.data.features_dataset import split
 from pipeline.errors import UserError
 from pipeline.fingerprint import digest, shaping
@@ -42,8 +45,13 @@ def fingerprint(cfg) -> str:
     return digest({"export": m.read_text() if m.exists() else None, "eval": shaping(cfg.eval, NOT_SHAPING + unread)})
 
 
+def set_dir(cfg, name: str) -> Path:
+    return out_dir(cfg) if name == prompt_sets.HELDOUT else out_dir(cfg) / name
+
+
 def is_complete(cfg) -> bool:
-    return (out_dir(cfg) / ("online.json" if cfg.eval.endpoint else "acceptance.json")).is_file()
+    result = "online.json" if cfg.eval.endpoint else "acceptance.json"
+    return all((set_dir(cfg, name) / result).is_file() for name in cfg.eval.sets)
 
 
 def check(cfg) -> None:
@@ -54,6 +62,9 @@ def check(cfg) -> None:
             problems.append(f"eval.{key}={e[key]} must be >= 1")
     if e.prompt_tokens < 2:
         problems.append(f"eval.prompt_tokens={e.prompt_tokens} must be >= 2")
+    unknown = [n for n in e.sets if n not in prompt_sets.names()]
+    if unknown or not e.sets or len(set(e.sets)) != len(e.sets):
+        problems.append(f"eval.sets={list(e.sets)}: a list of distinct names from {', '.join(prompt_sets.names())}")
     if problems:
         raise UserError("; ".join(problems))
 
@@ -64,10 +75,54 @@ def run(cfg) -> Path:
     if not e.endpoint and not (rd.export("sglang") / "export_manifest.json").is_file():  # what offline reads
         raise UserError(f"no SGLang export under {rd.export('sglang')}; run stage=export first")
     store = rd.open_features()
-    prompts = heldout_prompts(cfg, store, e.num_prompts, e.prompt_tokens)
     # online: the server's own acceptance counters; offline: the greedy chain against the local target
     bench = online_bench if e.endpoint else offline_bench
-    return bench.measure(cfg, store, prompts, out_dir(cfg))
+    for name in e.sets:
+        prompts = (heldout_prompts(cfg, store, e.num_prompts, e.prompt_tokens) if name == prompt_sets.HELDOUT
+                   else set_prompts(cfg, store, name, e.num_prompts, e.prompt_tokens))
+        log.info("evaluate: set %s, %d prompts", name, len(prompts))
+        bench.measure(cfg, store, prompts, set_dir(cfg, name))
+    if not e.endpoint:
+        _sets_table(cfg)
+    return out_dir(cfg)
+
+
+def set_prompts(cfg, store, name: str, n: int, prompt_tokens: int) -> list[list[int]]:
+    """The first n prompts of a standard set that fit prompt_tokens, each one user message through the target's
+    chat template; the ones too long are counted in the log."""
+    from pipeline.models import targets
+
+    tok = targets.load_tokenizer(Path(store.facts["target_path"]), cfg.target)
+    prompts, too_long = [], 0
+    for row in prompt_sets.load(name):
+        ids = tok.apply_chat_template([{"role": "user", "content": row["text"]}], add_generation_prompt=True,
+                                      tokenize=True, return_dict=False)
+        ids = list(ids["input_ids"] if isinstance(ids, dict) else ids)
+        if len(ids) > prompt_tokens:
+            too_long += 1
+            continue
+        prompts.append(ids)
+        if len(prompts) >= n:
+            break
+    if too_long:
+        log.warning("evaluate: %d %s prompts longer than eval.prompt_tokens=%d skipped", too_long, name, prompt_tokens)
+    if not prompts:
+        raise UserError(f"no {name} prompt fits eval.prompt_tokens={prompt_tokens}; raise it")
+    return prompts
+
+
+def _sets_table(cfg) -> None:
+    """eval/sets.json and a log table: tau per set and draft length (the trained draft)."""
+    rows = {}
+    for name in cfg.eval.sets:
+        report = json.loads((set_dir(cfg, name) / "acceptance.json").read_text())
+        rows[name] = {"prompts": report["prompts"], "tau": {k: r["tau"] for k, r in report["trained"].items()}}
+    ks = sorted({k for r in rows.values() for k in r["tau"]}, key=int)
+    lines = [f"{'set':<12}{'prompts':>8}" + "".join(f"{'k=' + k:>8}" for k in ks)]
+    lines += [f"{name:<12}{r['prompts']:>8}" + "".join(f"{r['tau'][k]:>8.3f}" for k in ks) for name, r in rows.items()]
+    log.info("evaluate, tau of the trained draft per prompt set:\n%s", "\n".join(lines))
+    out_dir(cfg).mkdir(parents=True, exist_ok=True)
+    (out_dir(cfg) / "sets.json").write_text(json.dumps(rows, indent=1))
 
 
 def heldout_prompts(cfg, store, n: int, prompt_tokens: int) -> list[list[int]]:

