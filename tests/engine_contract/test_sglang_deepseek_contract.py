@@ -57,3 +57,23 @@ def test_an_output_of_layer_0_first_cannot_be_asked_of_this_class():
     with pytest.raises(lay.AuxIdsUnservable, match="start the aux layers at 1"):
         lay.sglang_layer_ids([0, 2, 4], "DeepseekV3ForCausalLM")
     assert lay.sglang_layer_ids([0, 2, 4], "LlamaForCausalLM") == [0, 2, 4]
+
+
+def test_the_kimi_k25_wrapper_hands_capture_to_its_deepseek_language_model(kimi):
+    """KimiK25ForConditionalGeneration (Kimi-K2.5's own class) around kimi_tiny's text config, with a 1-layer
+    vision tower: it cannot be built from kimi_tiny's folder (no vision config), so it is built here directly.
+    The capture request goes through the wrapper to its DeepseekV3 language model, one level deeper."""
+    import torch
+    from sglang.srt.configs.kimi_k25 import KimiK25Config
+    from sglang.srt.models.kimi_k25 import KimiK25ForConditionalGeneration
+
+    text = {k: v for k, v in kimi.config.to_dict().items() if k not in ("architectures", "model_type")}
+    vision = dict(num_attention_heads=2, num_hidden_layers=1, hidden_size=32, intermediate_size=64,
+                  mm_hidden_size=32, vt_hidden_size=32, text_hidden_size=kimi.config.hidden_size)
+    with torch.device("meta"):
+        config = KimiK25Config(text_config=text, vision_config=vision, encoder_only=False, language_only=False)
+        wrapper = KimiK25ForConditionalGeneration(config)
+    assert type(wrapper.language_model).__name__ == "DeepseekV3ForCausalLM"
+    assert sc.decoder_of(wrapper) is wrapper.language_model.model
+    assert sc.request_capture(wrapper, [2, 3, 5]) == [3, 4, 6]  # the first-id rule holds through the wrapper
+    assert wrapper.language_model.capture_aux_hidden_states is True
