@@ -160,31 +160,28 @@ def _tiny_tokenizer(out: Path, vocab_size: int, conversations: int):
     return tok
 
 
+def _random_init(out: Path, spec: dict, config_cls, model_cls):
+    """The tokenizer saved into out, and a model of config_cls/model_cls from spec, random-init with spec's seed."""
+    spec = dict(spec)
+    tok = _tiny_tokenizer(out, spec["vocab_size"], spec.pop("tokenizer_conversations"))
+    seed = spec.pop("seed")
+    config = config_cls(**spec, bos_token_id=None, eos_token_id=tok.convert_tokens_to_ids("<|im_end|>"),
+                        pad_token_id=tok.convert_tokens_to_ids("<|endoftext|>"))
+    torch.manual_seed(seed)
+    return model_cls(config)
+
+
 def _build_tiny(out: Path) -> dict:
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    spec = dict(TINY_SPEC)
-    tok = _tiny_tokenizer(out, spec["vocab_size"], spec.pop("tokenizer_conversations"))
-    seed = spec.pop("seed")
-    config = LlamaConfig(**spec, bos_token_id=None, eos_token_id=tok.convert_tokens_to_ids("<|im_end|>"),
-                         pad_token_id=tok.convert_tokens_to_ids("<|endoftext|>"))
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(config)
-    model.to(torch.bfloat16).save_pretrained(out)
+    _random_init(out, TINY_SPEC, LlamaConfig, LlamaForCausalLM).to(torch.bfloat16).save_pretrained(out)
     return {"source": "tiny", "spec": TINY_SPEC}
 
 
 def _build_kimi_tiny(out: Path) -> dict:
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
-    spec = dict(KIMI_TINY_SPEC)
-    tok = _tiny_tokenizer(out, spec["vocab_size"], spec.pop("tokenizer_conversations"))
-    seed = spec.pop("seed")
-    config = DeepseekV3Config(**spec, bos_token_id=None, eos_token_id=tok.convert_tokens_to_ids("<|im_end|>"),
-                              pad_token_id=tok.convert_tokens_to_ids("<|endoftext|>"))
-    config.architectures = ["DeepseekV3ForCausalLM"]
-    torch.manual_seed(seed)
-    model = DeepseekV3ForCausalLM(config)
+    model = _random_init(out, KIMI_TINY_SPEC, DeepseekV3Config, DeepseekV3ForCausalLM)
     with torch.no_grad():  # HF initialises the router's correction bias to zeros; give routing something to do
         for module in model.modules():
             if hasattr(module, "e_score_correction_bias"):

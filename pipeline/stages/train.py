@@ -168,14 +168,14 @@ def _plan(cfg, store: fs.FeatureStore, rank: int, world: int) -> Plan:
                         f"per rank, fewer than train.grad_accum={t.grad_accum}; lower tokens_per_pack or add data")
     val_packs = shard_for_rank(plan_packs(val_idx, lengths, t.tokens_per_pack, cfg.seed, 0, shuffle=False,
                                           context=ctx), rank, world)
-    cut = split_counts(train_idx, lengths, t.tokens_per_pack, ctx)  # nothing is cut: long samples are split
-    if cut["samples"] and rank == 0:
+    splits = split_counts(train_idx, lengths, t.tokens_per_pack, ctx)  # nothing is cut: long samples are split
+    if splits["samples"] and rank == 0:
         log.info("train: %d of %d training samples are longer than train.tokens_per_pack=%d: split into %d "
                     "windows, each later one repeating %d positions as unscored context (%d positions, %.1f%% "
-                    "of %d); every position is trained once", cut["samples"], len(train_idx), t.tokens_per_pack,
-                    cut["pieces"], ctx, cut["context_positions"], 100 * cut["context_positions"] /
-                    max(cut["positions"], 1), cut["positions"])
-    return Plan(list(train_idx), list(val_idx), epochs, val_packs, total_steps, cut)
+                    "of %d); every position is trained once", splits["samples"], len(train_idx), t.tokens_per_pack,
+                    splits["pieces"], ctx, splits["context_positions"], 100 * splits["context_positions"] /
+                    max(splits["positions"], 1), splits["positions"])
+    return Plan(list(train_idx), list(val_idx), epochs, val_packs, total_steps, splits)
 
 
 def _setup(cfg) -> tuple[Session, Plan]:
