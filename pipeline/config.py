@@ -141,6 +141,11 @@ class WandbMode(str, Enum):
     disabled = "disabled"
 
 
+class DraftArch(str, Enum):  # the draft layer's layout: pipeline/formats/export_layouts.DRAFT_ARCHS
+    llama = "llama"  # speculators' Llama layer, SGLang LlamaForCausalLMEagle3 + vLLM (any target)
+    mla = "mla"  # DeepSeek-V2 multi-latent attention with the target's MLA shapes, SGLang Eagle3DeepseekV2ForCausalLM
+
+
 class Resume(str, Enum):
     auto = "auto"  # continue from the newest complete checkpoint under train/
     never = "never"  # start fresh: deletes every earlier checkpoint and final/ (so none is resumed later)
@@ -155,6 +160,7 @@ class WandbConfig:
 
 @dataclass
 class TrainConfig:
+    draft_arch: DraftArch = DraftArch.llama  # mla: an MLA target's (Kimi-K2.x, DeepSeek-V3) latent-cache draft
     ttt_steps: int = 3  # test-time-training unroll: draft positions trained per token
     ttt_step_loss_decay: float = 1.0
     loss: str = "kl_div"  # speculators loss spec (eager implementation)

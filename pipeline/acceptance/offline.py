@@ -29,40 +29,74 @@ log = logging.getLogger(__name__)
 
 
 class ExportedDraft:
-    """SGLang's LlamaForCausalLMEagle3 forward (one layer, no tree), from an export's tensors, in fp32."""
+    """SGLang's EAGLE-3 draft forward (one layer, no tree), from an export's tensors, in fp32: LlamaForCausalLMEagle3
+    (GQA attention) or Eagle3DeepseekV2ForCausalLM (multi-latent attention), whichever its config.json names."""
 
     def __init__(self, tensors: dict, config: dict, embed: torch.Tensor, device: torch.device | str = "cpu"):
         self.w = {k: (v.float() if v.is_floating_point() else v).to(device) for k, v in tensors.items()}
         self.c, self.embed = config, embed.float().to(device)
-        self.heads, self.kv = config["num_attention_heads"], config["num_key_value_heads"]
-        self.hd = config.get("head_dim") or config["hidden_size"] // self.heads
+        self.heads = config["num_attention_heads"]
         self.eps = config["rms_norm_eps"]
-        self.rotary = _rotary(config, self.hd).to(device)  # the rope the config names (yarn for Kimi), as trained
+        self.mla = lay.draft_arch_of_export(config).name == "mla"
+        if self.mla:
+            self.nope, self.rope_dim, self.vd = config["qk_nope_head_dim"], config["qk_rope_head_dim"], config["v_head_dim"]
+            self.kv_lora = config["kv_lora_rank"]
+            self.rotary, self.scale = _mla_rotary(config)
+            self.rotary = self.rotary.to(device)
+        else:
+            self.kv = config["num_key_value_heads"]
+            self.hd = config.get("head_dim") or config["hidden_size"] // self.heads
+            self.rotary = _rotary(config, self.hd).to(device)  # the rope the config names (yarn for Kimi), as trained
         self.d2t = self.w["d2t"]
 
     def _rms(self, x, name):
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.w[name]
 
-    def _rope(self, x, pos):
-        cos, sin = self.rotary(x, pos[None])  # [1, T, hd], attention scaling (yarn's mscale) included
-        x1, x2 = x[..., : self.hd // 2], x[..., self.hd // 2:]
+    def _rope(self, x, pos, half: int | None = None):
+        half = half or self.hd // 2
+        cos, sin = self.rotary(x, pos[None])  # [1, T, d], attention scaling (yarn's mscale) included
+        x1, x2 = x[..., :half], x[..., half:]
         return x * cos + torch.cat([-x2, x1], -1) * sin
 
     def fuse(self, aux: torch.Tensor) -> torch.Tensor:
         return aux.float() @ self.w["fc.weight"].T
 
+    def _gqa(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        p, w, T = "midlayer.self_attn.", self.w, x.shape[0]
+        q = (x @ w[p + "q_proj.weight"].T).view(T, self.heads, self.hd).transpose(0, 1)
+        k = (x @ w[p + "k_proj.weight"].T).view(T, self.kv, self.hd).transpose(0, 1)
+        v = (x @ w[p + "v_proj.weight"].T).view(T, self.kv, self.hd).transpose(0, 1)
+        q, k = self._rope(q, pos), self._rope(k, pos)
+        rep = self.heads // self.kv
+        return F.scaled_dot_product_attention(q, k.repeat_interleave(rep, 0), v.repeat_interleave(rep, 0), is_causal=True)
+
+    def _mla(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """Multi-latent attention, unabsorbed: q through its LoRA, one shared latent (kv_lora) + one shared rope key
+        per token, expanded per head by kv_b; the rope part rotated GPT-J style (interleaved pairs), as
+        DeepseekV2AttentionMLA's is_neox_style=False."""
+        p, w, T, H = "midlayer.self_attn.", self.w, x.shape[0], self.heads
+        q = (self._rms(x @ w[p + "q_a_proj.weight"].T, p + "q_a_layernorm.weight") @ w[p + "q_b_proj.weight"].T)
+        q = q.view(T, H, self.nope + self.rope_dim).transpose(0, 1)
+        ckv = x @ w[p + "kv_a_proj_with_mqa.weight"].T
+        latent, k_rot = ckv[:, : self.kv_lora], ckv[:, self.kv_lora:]
+        kv = (self._rms(latent, p + "kv_a_layernorm.weight") @ w[p + "kv_b_proj.weight"].T).view(T, H, self.nope + self.vd)
+        k_nope, v = kv[..., : self.nope].transpose(0, 1), kv[..., self.nope:].transpose(0, 1)
+
+        def rot(t):  # interleaved pairs (x0, x1), (x2, x3), ... -> halves, then the half-split rotation
+            t = t.unflatten(-1, (-1, 2)).transpose(-1, -2).flatten(-2)
+            return self._rope(t, pos, self.rope_dim // 2)
+
+        q_rot, k_rot = rot(q[..., self.nope:]), rot(k_rot[None])
+        q = torch.cat([q[..., : self.nope], q_rot], -1)
+        k = torch.cat([k_nope, k_rot.expand(H, -1, -1)], -1)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
+
     def layer(self, tokens: torch.Tensor, hidden: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         p, w = "midlayer.", self.w
         e = self._rms(self.embed[tokens], p + "input_layernorm.weight")
         x = torch.cat([e, self._rms(hidden, p + "hidden_norm.weight")], -1)
-        T = x.shape[0]
-        q = (x @ w[p + "self_attn.q_proj.weight"].T).view(T, self.heads, self.hd).transpose(0, 1)
-        k = (x @ w[p + "self_attn.k_proj.weight"].T).view(T, self.kv, self.hd).transpose(0, 1)
-        v = (x @ w[p + "self_attn.v_proj.weight"].T).view(T, self.kv, self.hd).transpose(0, 1)
-        q, k = self._rope(q, pos), self._rope(k, pos)
-        rep = self.heads // self.kv
-        a = F.scaled_dot_product_attention(q, k.repeat_interleave(rep, 0), v.repeat_interleave(rep, 0), is_causal=True)
-        h = hidden + a.transpose(0, 1).reshape(T, -1) @ w[p + "self_attn.o_proj.weight"].T
+        a = (self._mla if self.mla else self._gqa)(x, pos)
+        h = hidden + a.transpose(0, 1).reshape(x.shape[0], -1) @ w[p + "self_attn.o_proj.weight"].T
         y = self._rms(h, p + "post_attention_layernorm.weight")
         mlp = (F.silu(y @ w[p + "mlp.gate_proj.weight"].T) * (y @ w[p + "mlp.up_proj.weight"].T)) @ w[p + "mlp.down_proj.weight"].T
         return h + mlp
@@ -84,6 +118,21 @@ def _rotary(config: dict, head_dim: int):
                                             num_attention_heads=config["num_attention_heads"],
                                             max_position_embeddings=config["max_position_embeddings"],
                                             rope_parameters=rope))
+
+
+def _mla_rotary(config: dict):
+    """(transformers' DeepSeek-V3 rotary embedding for the export's rope, the softmax scale): what the MLA draft
+    trained with, and what DeepseekV2AttentionMLA computes from the same config (yarn: mscale on both)."""
+    from transformers import DeepseekV3Config
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3RotaryEmbedding, yarn_apply_mscale
+
+    rope = dict(config.get("rope_parameters") or {"rope_type": "default"})
+    rope.setdefault("rope_theta", config.get("rope_theta", 10000.0))
+    c = DeepseekV3Config(hidden_size=config["hidden_size"], num_attention_heads=config["num_attention_heads"],
+                         qk_rope_head_dim=config["qk_rope_head_dim"], qk_nope_head_dim=config["qk_nope_head_dim"],
+                         max_position_embeddings=config["max_position_embeddings"], rope_parameters=rope)
+    scale = yarn_apply_mscale(c.rope_parameters, (config["qk_nope_head_dim"] + config["qk_rope_head_dim"]) ** -0.5)
+    return DeepseekV3RotaryEmbedding(c), scale
 
 
 @torch.no_grad()
@@ -175,7 +224,9 @@ def untrained_tensors(cfg, store, folder: Path) -> dict:
     from pipeline.formats import vocab_map
     d2t, t2d, _ = vocab_map.load(RunDir.of(cfg).vocab)
     torch.manual_seed(cfg.seed)
-    m = draft_lib.build(folder, targets.load_config(folder, cfg.target), store.aux_layer_ids, d2t, t2d, 1)
+    config = json.loads((RunDir.of(cfg).export("sglang") / "config.json").read_text())
+    m = draft_lib.build(folder, targets.load_config(folder, cfg.target), store.aux_layer_ids, d2t, t2d, 1,
+                        arch=lay.draft_arch_of_export(config).name)
     return {lay.speculators_to_sglang_name(k): v.detach() for k, v in lay.draft_owned(m.state_dict()).items()}
 
 

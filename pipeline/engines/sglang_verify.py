@@ -1,4 +1,5 @@
-"""Load an export into SGLang's OWN `LlamaForCausalLMEagle3` through its OWN `load_weights`, on CPU.
+"""Load an export into SGLang's OWN draft class (`LlamaForCausalLMEagle3`, or `Eagle3DeepseekV2ForCausalLM` for
+the MLA draft: the one its config.json names) through its OWN `load_weights`, on CPU.
 
 Runs inside the engines' virtualenv (.venv-engines: sglang 0.5.23 on CPU torch 2.13.0, transformers 5.19), never
 in the main one:   .venv-engines/bin/python -m pipeline.engines.sglang_verify EXPORT_DIR TARGET_DIR [ALGORITHM]
@@ -28,15 +29,27 @@ def publish(export_dir: str, target_dir: str, algorithm: str):
     return args
 
 
+# The SGLang class of each draft layout (export_layouts.DRAFT_ARCHS names them; read here from config.json, as
+# SGLang's model registry does): its module and the config class SGLang parses the export's config.json with.
+CLASSES = {"LlamaForCausalLMEagle3": ("sglang.srt.models.llama_eagle3", "LlamaConfig"),
+           "Eagle3DeepseekV2ForCausalLM": ("sglang.srt.models.kimi_k25_eagle3", "DeepseekV3Config")}
+
+
 def build(export_dir: str):
+    """(the export's SGLang class built from its config.json, that class's module)."""
+    import importlib
+
+    import transformers
     from sglang.srt.distributed import parallel_state as ps
-    from sglang.srt.models.llama_eagle3 import LlamaForCausalLMEagle3
-    from transformers import LlamaConfig
 
     from pipeline.engines.loader_audit import single_process_world
 
+    arch = (json.loads(open(f"{export_dir}/config.json").read()).get("architectures") or ["?"])[0]
+    module_name, config_class = CLASSES.get(arch, CLASSES["LlamaForCausalLMEagle3"])
+    module = importlib.import_module(module_name)
     single_process_world(ps)
-    return LlamaForCausalLMEagle3(LlamaConfig.from_pretrained(export_dir))
+    config = getattr(transformers, config_class).from_pretrained(export_dir)
+    return getattr(module, arch if arch in CLASSES else "LlamaForCausalLMEagle3")(config), module
 
 
 def serving_resolution(args, algorithm: str) -> dict:
@@ -68,13 +81,12 @@ def target_capture(args, aux_ids_read) -> dict:
 
 def verify(export_dir: str, target_dir: str, algorithm: str = "EAGLE3") -> dict:
     import sglang
-    import sglang.srt.models.llama_eagle3 as eagle3_module
 
     from pipeline.engines.loader_audit import LoaderAudit
 
     args = publish(export_dir, target_dir, algorithm)
     serving = serving_resolution(args, algorithm)
-    model = build(export_dir)
+    model, eagle3_module = build(export_dir)
     audit = LoaderAudit(model)
     # load_weights takes getattr(param, "weight_loader", default_weight_loader) for every parameter
     audit.wrap_param_loaders(eagle3_module.default_weight_loader)

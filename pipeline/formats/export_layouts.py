@@ -101,6 +101,41 @@ def engine_version(engine: str) -> str:
     return ENGINES[engine].version
 
 
+@dataclass(frozen=True)
+class DraftArch:
+    """One draft layer layout (`train.draft_arch`): the layer's model_type in speculators' config (the trained
+    draft's own record of it) and the SGLang class that serves it."""
+
+    name: str
+    layer_model_type: str
+    sglang_class: str
+    sglang_model_type: str  # config.json model_type of the SGLang export (the config class SGLang parses it with)
+    engines: tuple[str, ...]  # engines whose own class and loader eaglepipe verifies this layout against
+
+
+DRAFT_ARCHS = {
+    "llama": DraftArch("llama", "llama", "LlamaForCausalLMEagle3", "llama", ("sglang", "vllm")),
+    # sglang models/kimi_k25_eagle3.py (0.5.17 and 0.5.23); its model_type deepseek_v3 parses in both (0.5.23 also
+    # aliases kimi_k2, 0.5.17 does not)
+    "mla": DraftArch("mla", "deepseek_v3", "Eagle3DeepseekV2ForCausalLM", "deepseek_v3", ("sglang",)),
+}
+
+
+def draft_arch_of(layer_model_type: str) -> DraftArch:
+    """The layout of a trained draft, from its transformer_layer_config.model_type."""
+    for a in DRAFT_ARCHS.values():
+        if a.layer_model_type == layer_model_type:
+            return a
+    raise ValueError(f"no draft layout has layer model_type {layer_model_type!r}")
+
+
+def draft_arch_of_export(config: dict) -> DraftArch:
+    """The layout of an SGLang export, from its config.json architectures (Llama's when it names another class:
+    the checks then report the class)."""
+    archs = config.get("architectures") or []
+    return next((a for a in DRAFT_ARCHS.values() if [a.sglang_class] == archs), DRAFT_ARCHS["llama"])
+
+
 def speculators_to_sglang_name(name: str) -> str:
     return "midlayer." + name[len("layers.0."):] if name.startswith("layers.0.") else name
 
@@ -137,9 +172,95 @@ def sglang_param_table(s: Shape) -> dict[str, tuple[int, ...]]:
     }
 
 
+@dataclass
+class MLAShape:
+    hidden: int
+    target_hidden: int
+    n_aux: int
+    heads: int
+    q_lora: int
+    kv_lora: int
+    rope: int
+    nope: int
+    v: int
+    intermediate: int
+    vocab: int
+    draft_vocab: int
+
+
+def sglang_mla_param_table(s: MLAShape) -> dict[str, tuple[int, ...]]:
+    """Parameters of sglang Eagle3DeepseekV2ForCausalLM (0.5.17 and 0.5.23), as its module tree declares them:
+    DeepseekV2AttentionMLA with its q/kv down projections fused into one, widened to the 2H EAGLE-3 input."""
+    p = "model.midlayer."
+    return {
+        "model.embed_tokens.weight": (s.vocab, s.hidden),
+        p + "self_attn.fused_qkv_a_proj_with_mqa.weight": (s.q_lora + s.kv_lora + s.rope, 2 * s.hidden),
+        p + "self_attn.q_a_layernorm.weight": (s.q_lora,),
+        p + "self_attn.q_b_proj.weight": (s.heads * (s.nope + s.rope), s.q_lora),
+        p + "self_attn.kv_a_layernorm.weight": (s.kv_lora,),
+        p + "self_attn.kv_b_proj.weight": (s.heads * (s.nope + s.v), s.kv_lora),
+        p + "self_attn.o_proj.weight": (s.hidden, s.heads * s.v),
+        p + "mlp.gate_up_proj.weight": (2 * s.intermediate, s.hidden),
+        p + "mlp.down_proj.weight": (s.hidden, s.intermediate),
+        p + "input_layernorm.weight": (s.hidden,),
+        p + "hidden_norm.weight": (s.hidden,),
+        p + "post_attention_layernorm.weight": (s.hidden,),
+        "model.fc.weight": (s.hidden, s.n_aux * s.target_hidden),
+        "model.norm.weight": (s.hidden,),
+        "lm_head.weight": (s.draft_vocab, s.hidden),
+    }
+
+
+def sglang_mla_load_report(tensors: dict[str, torch.Tensor], table: dict[str, tuple[int, ...]]) -> dict:
+    """Replay Eagle3DeepseekV2ForCausalLM.load_weights' name handling (sglang 0.5.17/0.5.23): `layers.0.` ->
+    `midlayer.`, `model.` before all but lm_head; gate/up stacked into gate_up_proj; q_a_proj and
+    kv_a_proj_with_mqa held until BOTH have come, then concatenated into fused_qkv_a_proj_with_mqa (one without
+    the other is never written, and nothing says so); any other unknown name skipped with a log warning only."""
+    import re
+
+    written: dict[str, list[tuple[int, ...]]] = {}
+    dropped, hot_token_id, held = [], None, {}
+    for original, w in tensors.items():
+        if original == "d2t" or original.endswith(".d2t"):
+            hot_token_id = w + torch.arange(w.shape[0])
+            continue
+        if original == "t2d" or original.endswith(".t2d"):
+            continue
+        name = re.sub(r"^layers\.0\.", "midlayer.", original)
+        name = name if name.startswith("lm_head.") else f"model.{name}"
+        stacked = next((name.replace(shard, fused) for fused, shard, _ in MLP_STACKED if shard in name), None)
+        if stacked is not None and stacked in table:
+            written.setdefault(stacked, []).append(tuple(w.shape))
+            continue
+        if "q_a_proj" in name or "kv_a_proj_with_mqa" in name:
+            q_name = name.replace("kv_a_proj_with_mqa", "q_a_proj")
+            held[q_name] = held.get(q_name, []) + [(original, tuple(w.shape))]
+            if len(held[q_name]) == 2:
+                fused = q_name.replace("q_a_proj", "fused_qkv_a_proj_with_mqa")
+                if fused in table:
+                    written.setdefault(fused, []).append((sum(sh[0] for _, sh in held[q_name]), *w.shape[1:]))
+                else:
+                    dropped += [o for o, _ in held[q_name]]
+                held.pop(q_name)
+            continue
+        if name in table:
+            written.setdefault(name, []).append(tuple(w.shape))
+        else:
+            dropped.append(original)
+    dropped += [o for pair in held.values() for o, _ in pair]  # waited for a partner that never came
+    shape_problems = []
+    for param, shapes in written.items():
+        got = (sum(s[0] for s in shapes), *shapes[0][1:]) if len(shapes) > 1 else shapes[0]
+        if got != table[param]:
+            shape_problems.append(f"{param}: export gives {got}, engine has {table[param]}")
+    unwritten = sorted(set(table) - set(written) - SGLANG_FROM_TARGET)
+    return {"dropped": dropped, "unwritten": unwritten, "shape_problems": shape_problems,
+            "hot_token_id": hot_token_id}
+
+
 SGLANG_FROM_TARGET = {"model.embed_tokens.weight"}  # set_embed(target embedding) for EAGLE3
-STACKED = [(".qkv_proj", ".q_proj", "q"), (".qkv_proj", ".k_proj", "k"), (".qkv_proj", ".v_proj", "v"),
-           (".gate_up_proj", ".gate_proj", 0), (".gate_up_proj", ".up_proj", 1)]
+MLP_STACKED = [(".gate_up_proj", ".gate_proj", 0), (".gate_up_proj", ".up_proj", 1)]
+STACKED = [(".qkv_proj", ".q_proj", "q"), (".qkv_proj", ".k_proj", "k"), (".qkv_proj", ".v_proj", "v"), *MLP_STACKED]
 
 
 def sglang_load_report(tensors: dict[str, torch.Tensor], table: dict[str, tuple[int, ...]]) -> dict:
@@ -177,6 +298,15 @@ def sglang_load_report(tensors: dict[str, torch.Tensor], table: dict[str, tuple[
     unwritten = sorted(set(table) - set(written) - SGLANG_FROM_TARGET)
     return {"dropped": dropped, "unwritten": unwritten, "shape_problems": shape_problems,
             "hot_token_id": hot_token_id}
+
+
+def draft_kv_bytes_per_token(config: dict, dtype_bytes: int = 2) -> int:
+    """KV-cache bytes one token costs the served draft (one layer, bf16): MLA caches one latent + one rope key
+    (kv_lora + rope) shared by all heads; GQA caches K and V per KV head."""
+    if draft_arch_of_export(config).name == "mla":
+        return (config["kv_lora_rank"] + config["qk_rope_head_dim"]) * dtype_bytes
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    return 2 * config["num_key_value_heads"] * head_dim * dtype_bytes
 
 
 def tensor_table(tensors: dict[str, torch.Tensor]) -> list[dict]:

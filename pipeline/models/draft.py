@@ -1,9 +1,15 @@
 """Build the EAGLE-3 draft: speculators' Eagle3DraftModel (public API) shaped from the target.
 
-One Llama-style decoder layer (SGLang's LlamaForCausalLMEagle3 layout, whatever the target's architecture),
-fc: n_aux*H -> H, draft vocabulary from run_dir/vocab, aux layer ids from the feature store's facts (there
-is no config key for them here). Embeddings and the verifier lm_head/norm come from the target through
-speculators' `load_verifier_weights`, which also initialises the draft lm_head from the target's rows.
+One decoder layer, fc: n_aux*H -> H, draft vocabulary from run_dir/vocab, aux layer ids from the feature store's
+facts (there is no config key for them here). Embeddings and the verifier lm_head/norm come from the target
+through speculators' `load_verifier_weights`, which also initialises the draft lm_head from the target's rows.
+The layer (`train.draft_arch`, export_layouts.DRAFT_ARCHS):
+- `llama`: speculators' own Llama layer (SGLang's LlamaForCausalLMEagle3 layout), whatever the target's family.
+- `mla`: DeepSeek-V2/V3 multi-latent attention with the target's MLA shapes (SGLang's Eagle3DeepseekV2ForCausalLM
+  layout, published Kimi-K2.5 drafts): speculators has no MLA draft, so `_mla_components` adds one to its layer
+  registry in the style of its Llama layer (its Eagle3FirstLayerMixin over transformers' DeepseekV3DecoderLayer,
+  the two down projections widened to the 2H input); the rest of Eagle3DraftModel (TTT unroll, masks, loss) is
+  speculators' own.
 """
 
 from __future__ import annotations
@@ -14,11 +20,14 @@ from typing import Optional
 import torch
 from transformers import LlamaConfig
 
+from pipeline.errors import UserError
 from pipeline.formats import export_layouts as lay
 
 
-def layer_config(target_hf, attn: str, overrides: Optional[dict] = None) -> LlamaConfig:
+def layer_config(target_hf, attn: str, overrides: Optional[dict] = None, arch: str = "llama"):
     """The draft decoder layer's config, with the target's shapes."""
+    if arch == "mla":
+        return mla_layer_config(target_hf, attn, overrides)
     t = target_hf
     heads = getattr(t, "num_attention_heads")
     # An MLA target (DeepSeek-V2/V3, Kimi-K2.x: kv_lora_rank set) has no single head size; HF's DeepseekV3Config
@@ -39,17 +48,74 @@ def layer_config(target_hf, attn: str, overrides: Optional[dict] = None) -> Llam
     return cfg
 
 
+MLA_KEYS = ("q_lora_rank", "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim")
+
+
+def mla_layer_config(target_hf, attn: str, overrides: Optional[dict] = None):
+    """A one-layer DeepseekV3Config with the target's MLA shapes and a dense MLP of its dense width (the config a
+    served Eagle3DeepseekV2ForCausalLM reads: its attention is sglang's DeepseekV2AttentionMLA)."""
+    from transformers import DeepseekV3Config
+
+    t = target_hf
+    missing = [k for k in MLA_KEYS if getattr(t, k, None) is None]
+    if missing:
+        raise UserError(f"train.draft_arch=mla takes its attention shapes from an MLA target (DeepSeek-V2/V3, "
+                        f"Kimi-K2.x); this target's config has no {', '.join(missing)}: use train.draft_arch=llama")
+    shape = dict(
+        vocab_size=t.vocab_size, hidden_size=t.hidden_size, intermediate_size=t.intermediate_size,
+        num_attention_heads=t.num_attention_heads, num_key_value_heads=t.num_attention_heads,
+        **{k: getattr(t, k) for k in MLA_KEYS}, rms_norm_eps=t.rms_norm_eps, hidden_act=t.hidden_act,
+        max_position_embeddings=t.max_position_embeddings, tie_word_embeddings=False, attention_bias=False,
+        rope_interleave=getattr(t, "rope_interleave", True),
+        rope_parameters=getattr(t, "rope_parameters", None) or {"rope_type": "default", "rope_theta": 10000.0},
+        first_k_dense_replace=1,  # layer 0 dense (DeepseekV3DecoderLayer): the MoE fields stay unused defaults
+    )
+    shape.update(overrides or {})
+    cfg = DeepseekV3Config(num_hidden_layers=1, **shape)
+    cfg._attn_implementation = attn
+    _mla_components()
+    return cfg
+
+
+def _mla_components() -> None:
+    """Register the MLA first layer under model_type deepseek_v3 in speculators' layer registry (idempotent)."""
+    from speculators.models.base_components import ModelComponents
+    from speculators.models.eagle3 import model_definitions as md
+    from transformers.models.deepseek_v3 import modeling_deepseek_v3 as ds
+
+    if "deepseek_v3" in md.model_classes:
+        return
+
+    class DeepseekV3DecoderEagle3FirstLayer(md.Eagle3FirstLayerMixin, ds.DeepseekV3DecoderLayer):
+        """speculators' Eagle3 first layer over MLA: cat([norm(embed), norm(hidden)]) into the q and kv down
+        projections (2H wide, as sglang's fused_qkv_a_proj_with_mqa), residual = the hidden half."""
+
+        def __init__(self, config, layer_idx: int, norm_before_residual: bool = False):
+            super().__init__(config, layer_idx)
+            self.norm_before_residual = norm_before_residual
+            self.hidden_norm = ds.DeepseekV3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+            a, wide = self.self_attn, 2 * config.hidden_size
+            a.q_a_proj = torch.nn.Linear(wide, config.q_lora_rank, bias=False)
+            a.kv_a_proj_with_mqa = torch.nn.Linear(wide, config.kv_lora_rank + config.qk_rope_head_dim, bias=False)
+            for norm in (a.q_a_layernorm, a.kv_a_layernorm):  # sglang builds both with the config's eps
+                norm.variance_epsilon = config.rms_norm_eps
+
+    md.model_classes["deepseek_v3"] = ModelComponents(DeepseekV3DecoderEagle3FirstLayer, ds.DeepseekV3DecoderLayer,
+                                                      ds.DeepseekV3RMSNorm, ds.DeepseekV3RotaryEmbedding)
+
+
 def build(target_folder: Optional[Path], target_hf, aux_ids: list[int], d2t: Optional[torch.Tensor],
           t2d: Optional[torch.Tensor], ttt_steps: int, attn: str = "sdpa", load_target_weights: bool = True,
-          overrides: Optional[dict] = None, draft_vocab_size: Optional[int] = None):
+          overrides: Optional[dict] = None, draft_vocab_size: Optional[int] = None, arch: str = "llama"):
     from speculators.config import SpeculatorsConfig, VerifierConfig
     from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
     from speculators.proposals.greedy import GreedyTokenProposalConfig
 
+    _mla_components()  # speculators resolves the layer class from the config's model_type at construction
     verifier = (VerifierConfig.from_pretrained(str(target_folder)) if target_folder is not None
                 else VerifierConfig(name_or_path=None, architectures=list(getattr(target_hf, "architectures", None) or [])))
     config = Eagle3SpeculatorConfig(
-        transformer_layer_config=layer_config(target_hf, attn, overrides), draft_vocab_size=int(d2t.shape[0]) if d2t is not None else draft_vocab_size,
+        transformer_layer_config=layer_config(target_hf, attn, overrides, arch), draft_vocab_size=int(d2t.shape[0]) if d2t is not None else draft_vocab_size,
         norm_before_residual=False, target_hidden_size=target_hf.hidden_size,
         eagle_aux_hidden_state_layer_ids=list(aux_ids),
         speculators_config=SpeculatorsConfig(

@@ -38,8 +38,8 @@ TINY_SPEC = dict(vocab_size=1024, hidden_size=64, intermediate_size=128, num_hid
 KIMI_TINY_SPEC = dict(vocab_size=1024, hidden_size=128, intermediate_size=256, moe_intermediate_size=64,
                       num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1,
                       n_routed_experts=8, num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=1,
-                      routed_scaling_factor=2.5, norm_topk_prob=True, q_lora_rank=64, kv_lora_rank=32,
-                      qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=32, max_position_embeddings=4096,
+                      routed_scaling_factor=2.5, norm_topk_prob=True, q_lora_rank=64, kv_lora_rank=512,
+                      qk_rope_head_dim=64, qk_nope_head_dim=32, v_head_dim=32, max_position_embeddings=4096,  # latent 512 + rope 64: Kimi-K2.5's own, the tile SGLang's Triton MLA decode kernel is built for
                       rope_parameters={"rope_type": "yarn", "rope_theta": 50000.0, "factor": 8.0,
                                        "original_max_position_embeddings": 512, "beta_fast": 1.0, "beta_slow": 1.0,
                                        "mscale": 1.0, "mscale_all_dim": 1.0},  # Kimi-K2's yarn, factor cut down

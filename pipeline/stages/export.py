@@ -56,6 +56,12 @@ def check(cfg) -> None:
     problems = [f"export.engines: {e!r} is not one of {list(ENGINES)}" for e in cfg.export.engines if e not in ENGINES]
     if not cfg.export.engines:
         problems.append("export.engines is empty")
+    layout = lay.DRAFT_ARCHS.get(str(getattr(cfg.train.draft_arch, "value", cfg.train.draft_arch)))
+    unverified = [e for e in cfg.export.engines if layout and e in ENGINES and e not in layout.engines]
+    if unverified:
+        problems.append(f"export.engines={list(cfg.export.engines)} with train.draft_arch={layout.name}: that layout "
+                        f"is verified against {', '.join(layout.engines)} only; set "
+                        f"export.engines=[{','.join(layout.engines)}]")
     s = cfg.export.serve
     for key in ("num_steps", "topk", "num_draft_tokens"):
         if s[key] < 1:
@@ -96,9 +102,14 @@ def run(cfg) -> Path:
                   "target_architecture": targets.architecture(Path(store.facts["target_path"]))}
     arch = provenance["target_architecture"]
     layer = draft_cfg["transformer_layer_config"]
+    layout = lay.draft_arch_of(layer["model_type"])
+    provenance["draft_arch"] = layout.name
+    unverified = [e for e in cfg.export.engines if e not in layout.engines]
+    if unverified:
+        raise UserError(f"export.engines: the {layout.name} draft's layout is verified against "
+                        f"{', '.join(layout.engines)} only, not {', '.join(unverified)}: "
+                        f"export.engines=[{','.join(layout.engines)}]")
     for engine in cfg.export.engines:
-        if engine not in ENGINES:
-            raise UserError(f"export.engines: unknown engine {engine!r}; known: {', '.join(ENGINES)}")
         out = out_dir(cfg) / engine
         tmp = out.with_name(out.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
@@ -109,7 +120,7 @@ def run(cfg) -> Path:
             raise UserError(f"export/{engine}: {e} (extract.aux_layers, then extract and train again)") from None
         if engine == "sglang":
             names = {lay.speculators_to_sglang_name(k): v for k, v in tensors.items()}
-            config = sglang_config(layer, draft_cfg, store, engine_ids)
+            config = sglang_config(layer, draft_cfg, store, engine_ids, layout)
         else:
             names = dict(tensors)
             config = vllm_config(draft_cfg, store, engine_ids)
@@ -120,7 +131,10 @@ def run(cfg) -> Path:
         rows = lay.tensor_table(names)
         manifest = {"schema_version": lay.SCHEMA_VERSION, "engine": engine,
                     "engine_version_read": lay.engine_version(engine),
-                    "aux_layer_ids_engine": engine_ids, **provenance, "tensors": rows}
+                    "aux_layer_ids_engine": engine_ids, **provenance,
+                    "draft_kv_bytes_per_token": lay.draft_kv_bytes_per_token(
+                        config if engine == "sglang" else sglang_config(layer, draft_cfg, store, engine_ids, layout)),
+                    "tensors": rows}
         (tmp / "export_manifest.json").write_text(json.dumps(manifest, indent=1))
         problems, report = verify.verify_export(tmp, engine, store.facts, store.facts["target_path"],
                                                 cfg.export.verify_in_engine, verify.configured_python(cfg, engine),
@@ -137,13 +151,23 @@ def run(cfg) -> Path:
     return out_dir(cfg)
 
 
-def sglang_config(layer: dict, draft_cfg: dict, store: fs.FeatureStore, aux_ids: list[int]) -> dict:
-    keep = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
-            "rms_norm_eps", "max_position_embeddings", "rope_parameters", "hidden_act", "attention_bias",
-            "bos_token_id", "eos_token_id")
+SGLANG_CONFIG_KEYS = {  # the layer config keys the SGLang class of each layout reads
+    "llama": ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+              "rms_norm_eps", "max_position_embeddings", "rope_parameters", "hidden_act", "attention_bias",
+              "bos_token_id", "eos_token_id"),
+    "mla": ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "q_lora_rank",
+            "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "rms_norm_eps",
+            "max_position_embeddings", "rope_parameters", "rope_interleave", "hidden_act", "attention_bias",
+            "bos_token_id", "eos_token_id"),
+}
+
+
+def sglang_config(layer: dict, draft_cfg: dict, store: fs.FeatureStore, aux_ids: list[int],
+                  layout: lay.DraftArch = lay.DRAFT_ARCHS["llama"]) -> dict:
+    keep = SGLANG_CONFIG_KEYS[layout.name]
     rope = layer.get("rope_parameters") or {}
     return {
-        "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama",
+        "architectures": [layout.sglang_class], "model_type": layout.sglang_model_type,
         **{k: layer[k] for k in keep if k in layer}, "rope_theta": rope.get("rope_theta", 10000.0),
         "vocab_size": int(store.facts["vocab_size"]), "draft_vocab_size": int(draft_cfg["draft_vocab_size"]),
         "num_hidden_layers": 1, "tie_word_embeddings": False, "target_hidden_size": store.hidden_size,

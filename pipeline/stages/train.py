@@ -75,7 +75,16 @@ def check(cfg) -> None:
 def fingerprint(cfg) -> str:
     vocab_manifest = RunDir.of(cfg).vocab / "manifest.json"
     return digest({"vocab": vocab_manifest.read_text() if vocab_manifest.exists() else None, "seed": cfg.seed,
-                   "train": shaping(cfg.train, NOT_SHAPING)})
+                   "train": _shaping(cfg.train, NOT_SHAPING)})
+
+
+def _shaping(t, leave_out: tuple[str, ...]) -> dict:
+    """The train section as fingerprinted: the default Llama draft leaves out draft_arch, so runs trained before
+    the knob existed keep their fingerprints (and resume)."""
+    data = shaping(t, leave_out)
+    if data.get("draft_arch") == "llama":
+        data.pop("draft_arch")
+    return data
 
 
 def is_complete(cfg) -> bool:
@@ -192,7 +201,8 @@ def _setup(cfg) -> tuple[Session, Plan]:
     if target_hf.hidden_size != store.hidden_size:
         raise UserError(f"target hidden size {target_hf.hidden_size} != feature store's {store.hidden_size}")
     plan = _plan(cfg, store, accelerator.process_index, accelerator.num_processes)
-    model = draft.build(folder, target_hf, store.aux_layer_ids, d2t, t2d, t.ttt_steps, t.attn_implementation)
+    model = draft.build(folder, target_hf, store.aux_layer_ids, d2t, t2d, t.ttt_steps, t.attn_implementation,
+                        arch=t.draft_arch.value)
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=t.lr, weight_decay=t.weight_decay, betas=(0.9, 0.95))
     scheduler = get_scheduler(t.schedule, optimizer, num_warmup_steps=t.warmup_steps,
@@ -204,7 +214,7 @@ def _setup(cfg) -> tuple[Session, Plan]:
     root.mkdir(parents=True, exist_ok=True)
     upstream = {"features_manifest_hash": store.manifest_hash(), "vocab_coverage": vman["coverage"],
                 "target_fingerprint": store.facts["target_fingerprint"],
-                "train_config_hash": digest(shaping(t, RESUMABLE_ACROSS))}
+                "train_config_hash": digest(_shaping(t, RESUMABLE_ACROSS))}
     if accelerator.is_main_process:
         log.info("train: %d train / %d val samples, %d packs/epoch/rank of <= %d tokens, %d ranks, %d steps, "
                  "aux layers %s (from the feature store), draft vocab %d, %d trainable params",

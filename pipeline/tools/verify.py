@@ -182,30 +182,28 @@ def _read_files(folder: Path) -> tuple[dict, dict, list[str]]:
     return config, tensors, problems
 
 
-SGLANG_LAYER_KEYS = ("hidden_size", "num_attention_heads", "num_key_value_heads", "intermediate_size")
+SGLANG_LAYER_KEYS = {"llama": ("hidden_size", "num_attention_heads", "num_key_value_heads", "intermediate_size"),
+                     "mla": ("hidden_size", "num_attention_heads", "intermediate_size", "q_lora_rank",
+                             "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim")}
 
 
 def _check_sglang(config: dict, tensors: dict, facts: dict) -> list[str]:
     problems = []
-    if config.get("architectures") != ["LlamaForCausalLMEagle3"]:
-        problems.append(f"architectures {config.get('architectures')} != ['LlamaForCausalLMEagle3']")
+    layout = lay.draft_arch_of_export(config)
+    if config.get("architectures") != [layout.sglang_class]:
+        known = [[a.sglang_class] for a in lay.DRAFT_ARCHS.values()]
+        problems.append(f"architectures {config.get('architectures')} is none of {known}")
     if not config.get("draft_vocab_size"):
         problems.append("draft_vocab_size missing: SGLang would use the target's lm_head, not the draft's")
     pre_rename = sorted(k for k in tensors if k.startswith("layers."))
-    if pre_rename:
+    if pre_rename and layout.name == "llama":  # the MLA class maps layers.0.* itself, in every release
         problems.append(f"{len(pre_rename)} tensors named layers.* ({pre_rename[0]}, ...): SGLang before the "
                         "model.layers.0 rename names the layer midlayer.* and drops layers.* without a word; "
                         "the SGLang layout writes midlayer.*, which every SGLang loads")
-    missing = [k for k in SGLANG_LAYER_KEYS if not isinstance(config.get(k), int)]
+    missing = [k for k in SGLANG_LAYER_KEYS[layout.name] if not isinstance(config.get(k), int)]
     if missing:
         return problems + [f"config.json lacks {', '.join(missing)}: SGLang cannot build the draft layer"]
-    heads, kv = config["num_attention_heads"], config["num_key_value_heads"]
-    shape = lay.Shape(hidden=config["hidden_size"], target_hidden=int(facts["hidden_size"]),
-                      n_aux=len(facts["aux_layer_ids"]), heads=heads, kv_heads=kv,
-                      head_dim=config.get("head_dim") or config["hidden_size"] // heads,
-                      intermediate=config["intermediate_size"], vocab=int(facts["vocab_size"]),
-                      draft_vocab=int(config.get("draft_vocab_size") or 0))
-    report = lay.sglang_load_report(tensors, lay.sglang_param_table(shape))
+    report = _sglang_replay(layout, config, tensors, facts)
     if report["dropped"]:
         problems.append(f"SGLang {lay.SGLANG_VERSION} would silently drop {report['dropped'][:4]}")
     if report["unwritten"]:
@@ -215,6 +213,21 @@ def _check_sglang(config: dict, tensors: dict, facts: dict) -> list[str]:
     if hot is not None and "t2d" in tensors and not bool(tensors["t2d"][hot.clamp(0, len(tensors["t2d"]) - 1)].all()):
         problems.append("SGLang's hot_token_id (arange + d2t) does not point at the t2d ids")
     return problems
+
+
+def _sglang_replay(layout: lay.DraftArch, config: dict, tensors: dict, facts: dict) -> dict:
+    """The replay of the SGLang class's load_weights for this layout over the export's tensors."""
+    c = config
+    common = dict(hidden=c["hidden_size"], target_hidden=int(facts["hidden_size"]), n_aux=len(facts["aux_layer_ids"]),
+                  heads=c["num_attention_heads"], intermediate=c["intermediate_size"], vocab=int(facts["vocab_size"]),
+                  draft_vocab=int(c.get("draft_vocab_size") or 0))
+    if layout.name == "mla":
+        shape = lay.MLAShape(**common, q_lora=c["q_lora_rank"], kv_lora=c["kv_lora_rank"], rope=c["qk_rope_head_dim"],
+                             nope=c["qk_nope_head_dim"], v=c["v_head_dim"])
+        return lay.sglang_mla_load_report(tensors, lay.sglang_mla_param_table(shape))
+    shape = lay.Shape(**common, kv_heads=c["num_key_value_heads"],
+                      head_dim=c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"])
+    return lay.sglang_load_report(tensors, lay.sglang_param_table(shape))
 
 
 def run(cfg) -> Path:

@@ -248,6 +248,8 @@ def main() -> None:
     ap.add_argument("--mem", default="0.5", help="--mem-fraction-static of speculative servers")
     ap.add_argument("--base-mem", default="0.2", help="--mem-fraction-static of the no-speculation server")
     ap.add_argument("--target", default=None, help="target HF folder (default: the store manifest's)")
+    ap.add_argument("--tag", default="", help="suffix of each case's record and log (two drafts, one work dir)")
+    ap.add_argument("--eval-conc", default="1,8", help="client concurrencies of the good case's online evaluate")
     ap.add_argument("--served-name", default="smollm2-135m-instruct",
                     help="the baseline's model name (prepare.regenerate_endpoint sends the target's name)")
     a = ap.parse_args()
@@ -262,7 +264,7 @@ def main() -> None:
     spec_url, base_url = f"http://127.0.0.1:{SPEC_PORT}", f"http://127.0.0.1:{BASE_PORT}"
 
     for case in a.cases:
-        out = work / f"{case}.json"
+        out = work / f"{case}{a.tag}.json"
         left = a.budget - (time.time() - t_start)
         if case == "stop-baseline":
             pg = work / "baseline.pgid"
@@ -282,7 +284,7 @@ def main() -> None:
         P = json.loads(prompts_file.read_text()) if prompts_file.exists() else {"prompts": [], "max_new_tokens": 0}
         prompts, max_new = P["prompts"], P["max_new_tokens"]
         rec: dict = {"case": case, "at": time.strftime("%Y-%m-%dT%H:%M:%S")}
-        log = work / f"{case}.log"
+        log = work / f"{case}{a.tag}.log"
         target = a.target or json.loads(store_manifest.read_text())["facts"]["target_path"]
         if case == "baseline_generate":  # the baseline came up before the store existed (it regenerated the data)
             rec = json.loads((work / "baseline.json").read_text())
@@ -360,19 +362,19 @@ def main() -> None:
             rec["server_info_version"] = _server_version(spec_url)
             if case in ("good", "eagle"):
                 rec["doctor_server"] = eaglepipe(["stage=doctor", f"server={spec_url}", f"export_dir={good}", *ov],
-                                                 work / f"{case}.doctor.log", 120)
+                                                 work / f"{case}{a.tag}.doctor.log", 120)
             if case == "good":
                 ev = []
                 base_up = (work / "baseline.pgid").exists()  # online_bench drops both halves if the baseline is down
-                for conc in (1, 8):
+                for conc in [int(c) for c in a.eval_conc.split(",") if c not in ("", "none")]:
                     r = eaglepipe(["stage=evaluate", *ov, f"eval.endpoint={spec_url}",
                                    *([f"eval.baseline_endpoint={base_url}"] if base_up else []),
                                    f"eval.endpoint_concurrency={conc}"],
-                                  work / f"good.evaluate_c{conc}.log", 300)
+                                  work / f"good{a.tag}.evaluate_c{conc}.log", 300)
                     online = run_dir / "eval" / "online.json"
                     if online.exists():
                         r["online"] = json.loads(online.read_text())
-                        shutil.copy(online, work / f"online_c{conc}.json")
+                        shutil.copy(online, work / f"online_c{conc}{a.tag}.json")
                     ev.append(r)
                 rec["evaluate_online"] = ev
         rec["log_lines"] = log_lines(log)

@@ -9,6 +9,7 @@
 #   bash scripts/bench/sglang_serving.sh start-full         # issue #10's second plan (below), in its own session
 #   bash scripts/bench/sglang_serving.sh capture            # capture through SGLang alone: parity, store, bench, tests/gpu
 #   bash scripts/bench/sglang_serving.sh start-kimi         # issue #13: kimi_tiny chain + SGLang serving, in its own session
+#   bash scripts/bench/sglang_serving.sh start-kimi2        # issue #13: the same with BOTH drafts (llama, mla) served
 # `full`: a no-speculation server; prepare REGENERATES through it; parity hf vs sglang over the whole set;
 # extract.backend=sglang; SGLang's capture vs its own prefill; vocab; train (beside it: tests/gpu and the
 # same regeneration by local HF, for comparison); export; the export served (online vs baseline at
@@ -98,6 +99,50 @@ prepare.max_new_tokens=96 vocab.draft_vocab_size=256 train.epochs=4 eval.num_pro
     [ -n "${OUT:-}" ] && { cp $KW/*.json $K/parity/parity.json $K/eval/acceptance.json $OUT/ 2>/dev/null; \
       tar czf $OUT/kimi_logs.tgz --ignore-failed-read $KW/*.log $K/stages.json $K/export/sglang/config.json $K/export/sglang/serve.sh 2>/dev/null; }
     touch $W/kimi.done; step done;;
+  kimi2)
+    # issue #13, both drafts: one kimi_tiny store (HF regeneration, parity, SGLang capture), the Llama-layout and the
+    # MLA draft trained side by side on it, each exported, evaluated offline and served by SGLang 0.5.17 with EAGLE3
+    K=/tmp/kimirun; KM=/tmp/kimimla; KW=/tmp/kimiserve; mkdir -p $KW; SGL="/tmp/sgl-site:/tmp/site:$PWD"
+    SX="extract.sglang_attention_backend=triton extract.sglang_mem_fraction=0.5"
+    KA="+experiment=gpu_smollm2 target=kimi_tiny cache_dir=/tmp/epcache export.verify_in_engine=false \
+train.wandb.mode=disabled eval.max_draft=3 export.serve.sglang_args=[--attention-backend,triton] data.limit=800 \
+prepare.max_new_tokens=96 vocab.draft_vocab_size=256 train.epochs=4 eval.num_prompts=12 eval.max_new_tokens=48"
+    KL="$KA run_dir=$K"; KMA="$KA run_dir=$KM train.draft_arch=mla export.engines=[sglang]"
+    step() { echo "=== kimi2 $1 $(date +%T)"; }
+    step prepare; python3 -m pipeline $KL stage=prepare > $KW/prepare.log 2>&1; tail -2 $KW/prepare.log
+    step parity; PYTHONPATH=$SGL timeout 200 python3 -m pipeline $KL stage=parity extract.limit=300 $SX > $KW/parity.log 2>&1; grep -aE "parity:|tokens written|Error" $KW/parity.log | tail -8
+    step extract-sglang; PYTHONPATH=$SGL timeout 200 python3 -m pipeline $KL stage=extract extract.backend=sglang $SX > $KW/extract.log 2>&1 \
+      || { echo "extract sglang FAILED: hf instead"; grep -a Error $KW/extract.log | tail -3; python3 -m pipeline $KL stage=extract extract.overwrite=true > $KW/extract_hf.log 2>&1; }
+    grep -ah "tokens written" $KW/extract*.log
+    step vocab; python3 -m pipeline $KL stage=vocab > $KW/vocab.log 2>&1 || { echo "vocab FAILED"; tail -3 $KW/vocab.log; }
+    rm -rf $KM; mkdir -p $KM; cp -r $K/prepared $K/features $K/vocab $K/stages.json $KM/
+    T=$(python3 -c "import json; print(json.load(open('$K/features/manifest.json'))['facts']['target_path'])")
+    step "train llama + mla side by side"
+    python3 -m pipeline $KL stage=train > $KW/train.log 2>&1 & P1=$!
+    ( python3 -m pipeline $KMA stage=train > $KW/train_mla.log 2>&1 || { echo "mla train failed compiled: eager"; \
+      TORCHDYNAMO_DISABLE=1 python3 -m pipeline $KMA stage=train train.resume=never > $KW/train_mla_eager.log 2>&1; } ) & P2=$!
+    # the no-speculation server meanwhile (the greedy reference and the online baseline)
+    python3 scripts/bench/sglang_serving.py --run-dir $K --work $KW --budget 200 --case-s 60 --target $T \
+      --served-name kimi-tiny --overrides "$KA" --base-mem 0.15 --no-engine-check baseline 2>&1 | tail -2
+    wait $P1 $P2; grep -ah "val full_acc_0\|Error" $KW/train*.log | tail -4
+    for d in "$KL" "$KMA"; do python3 -m pipeline $d stage=export > $KW/export_$(echo $d | grep -c mla).log 2>&1 || echo "export FAILED ($d)"; done
+    step "evaluate both (offline) beside the llama draft's server"
+    python3 -m pipeline $KL stage=evaluate > $KW/evaluate.log 2>&1 & E1=$!
+    python3 -m pipeline $KMA stage=evaluate > $KW/evaluate_mla.log 2>&1 & E2=$!
+    SV="python3 scripts/bench/sglang_serving.py --work $KW --budget 400 --case-s 60 --target $T --served-name kimi-tiny --eval-conc none --no-engine-check"
+    step "serve llama"; $SV --run-dir $K --overrides "$KA" good 2>&1 | tail -2
+    step "serve mla"; $SV --run-dir $KM --overrides "$KA train.draft_arch=mla export.engines=[sglang]" --tag _mla good 2>&1 | tail -2
+    wait $E1 $E2; grep -a "^trained draft" $KW/evaluate*.log
+    python3 scripts/bench/sglang_serving.py --work $KW --run-dir $K stop-baseline > /dev/null 2>&1
+    [ -n "${OUT:-}" ] && { cp $KW/*.json $OUT/ 2>/dev/null; cp $K/parity/parity.json $OUT/ 2>/dev/null; \
+      cp $K/eval/acceptance.json $OUT/acceptance_llama.json; cp $KM/eval/acceptance.json $OUT/acceptance_mla.json; \
+      for r in $K $KM; do n=$(basename $r); cp $r/export/sglang/export_manifest.json $OUT/manifest_$n.json; \
+        cp $r/train/final/train_summary.json $OUT/train_summary_$n.json; done; \
+      tar czf $OUT/kimi2_logs.tgz --ignore-failed-read $KW/*.log $K/stages.json $KM/stages.json $K/export/sglang/config.json \
+        $KM/export/sglang/config.json 2>/dev/null; }
+    touch $W/kimi2.done; step done;;
+  start-kimi2)
+    rm -f $W/kimi2.done; setsid bash "$0" kimi2 >> $W/kimi2.log 2>&1 < /dev/null & echo "kimi2 pgid $!"; echo $! > $W/kimi2.pgid;;
   start-kimi)
     rm -f $W/kimi.done; setsid bash "$0" kimi >> $W/kimi.log 2>&1 < /dev/null & echo "kimi pgid $!"; echo $! > $W/kimi.pgid;;
   start-full)

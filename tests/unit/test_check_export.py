@@ -130,7 +130,7 @@ def pre_rename(t):
 
 SGLANG = [
     ("another architecture", None, lambda c: set_(c, "architectures", ["LlamaForCausalLM"]),
-     "architectures ['LlamaForCausalLM'] != ['LlamaForCausalLMEagle3']"),
+     "architectures ['LlamaForCausalLM'] is none of [['LlamaForCausalLMEagle3'], ['Eagle3DeepseekV2ForCausalLM']]"),
     ("no draft_vocab_size", None, lambda c: c.pop("draft_vocab_size"), "draft_vocab_size missing: SGLang would use"),
     ("post-rename names", pre_rename, None, "10 tensors named layers.* (layers.0.hidden_norm.weight, ...)"),
     ("a prefixed key", lambda t: sg(t, "lm_head.weight", "draft_model.lm_head.weight"), None,

@@ -18,6 +18,9 @@ from pipeline.errors import UserError
     (export, ["export.serve.num_steps=0", "export.serve.topk=-1"],
      r"export.serve.num_steps=0 must be >= 1.*; export.serve.topk=-1 must be >= 1"),  # B13: landed in serve.sh
     (export, ["export.engines=[sglang,vlm]"], r"export.engines: 'vlm' is not one of \['sglang', 'vllm'\]"),
+    # the MLA draft's layout is verified against SGLang's class only: found at export, after training, otherwise
+    (export, ["train.draft_arch=mla"], r"train.draft_arch=mla: that layout is verified against sglang only; set "
+                                       r"export.engines=\[sglang\]"),
     # the default 32000 with target=tiny was refused only after prepare and extract ran
     (vocab, ["vocab.draft_vocab_size=32000"], r"vocab.draft_vocab_size=32000: must be in \[1, 1024\]"),
 ])
