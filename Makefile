@@ -15,9 +15,10 @@ setup-all:
 demo: setup-all
 	.venv/bin/eaglepipe stage=all +experiment=demo
 
-# everything except hardware-bound markers; pytest exit 5 ("no tests ran") is not a failure
+# everything except hardware-bound markers, on 2 workers (one test file each at a time, one torch thread each: the
+# CI machine has 2 cores); pytest exit 5 ("no tests ran") is not a failure
 test: setup-all
-	.venv/bin/python -m pytest -m "not gpu and not requires_sglang_gpu" -q; rc=$$?; [ $$rc -eq 5 ] && exit 0; exit $$rc
+	OMP_NUM_THREADS=1 .venv/bin/python -m pytest -m "not gpu and not requires_sglang_gpu" -q -n 2 --dist loadfile --durations=25; rc=$$?; [ $$rc -eq 5 ] && exit 0; exit $$rc
 
 test-fast: setup
 	.venv/bin/python -m pytest -m "not slow and not gpu and not requires_sglang_gpu" -q

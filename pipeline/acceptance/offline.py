@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
+from pipeline.acceptance import batched
 from pipeline.engines.hf_capture import Capture
 from pipeline.formats import export_layouts as lay
 from pipeline.models import draft as draft_lib
@@ -52,58 +53,83 @@ class ExportedDraft:
     def _rms(self, x, name):
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.w[name]
 
-    def _rope(self, x, pos, half: int | None = None):
-        half = half or self.hd // 2
-        cos, sin = self.rotary(x, pos[None])  # [1, T, d], attention scaling (yarn's mscale) included
+    def _rope(self, x, pos, half: int):
+        """x [B, heads, N, d] rotated (half-split) at positions pos [B, N]."""
+        cos, sin = self.rotary(x, pos)  # [B, N, d], attention scaling (yarn's mscale) included
+        cos, sin = cos[:, None], sin[:, None]
         x1, x2 = x[..., :half], x[..., half:]
         return x * cos + torch.cat([-x2, x1], -1) * sin
 
     def fuse(self, aux: torch.Tensor) -> torch.Tensor:
         return aux.float() @ self.w["fc.weight"].T
 
-    def _gqa(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        p, w, T = "midlayer.self_attn.", self.w, x.shape[0]
-        q = (x @ w[p + "q_proj.weight"].T).view(T, self.heads, self.hd).transpose(0, 1)
-        k = (x @ w[p + "k_proj.weight"].T).view(T, self.kv, self.hd).transpose(0, 1)
-        v = (x @ w[p + "v_proj.weight"].T).view(T, self.kv, self.hd).transpose(0, 1)
-        q, k = self._rope(q, pos), self._rope(k, pos)
-        rep = self.heads // self.kv
-        return F.scaled_dot_product_attention(q, k.repeat_interleave(rep, 0), v.repeat_interleave(rep, 0), is_causal=True)
+    def inputs(self, tokens: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        """The layer's 2H input at each position: cat(input_layernorm(embed(token)), hidden_norm(hidden))."""
+        e = self._rms(self.embed[tokens], "midlayer.input_layernorm.weight")
+        return torch.cat([e, self._rms(hidden, "midlayer.hidden_norm.weight")], -1)
 
-    def _mla(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    def qkv(self, x: torch.Tensor, pos: torch.Tensor):
+        """(q, k, v), each [B, heads, N, d], of inputs x [B, N, 2H] at positions pos [B, N]; k and v per head (GQA
+        repeated, MLA expanded from the latent), so a cache of them is attention's whole input."""
+        return (self._mla if self.mla else self._gqa)(x, pos)
+
+    def _gqa(self, x: torch.Tensor, pos: torch.Tensor):
+        p, w, (B, N) = "midlayer.self_attn.", self.w, x.shape[:2]
+        q = (x @ w[p + "q_proj.weight"].T).view(B, N, self.heads, self.hd).transpose(1, 2)
+        k = (x @ w[p + "k_proj.weight"].T).view(B, N, self.kv, self.hd).transpose(1, 2)
+        v = (x @ w[p + "v_proj.weight"].T).view(B, N, self.kv, self.hd).transpose(1, 2)
+        q, k = self._rope(q, pos, self.hd // 2), self._rope(k, pos, self.hd // 2)
+        rep = self.heads // self.kv
+        return q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+
+    def _mla(self, x: torch.Tensor, pos: torch.Tensor):
         """Multi-latent attention, unabsorbed: q through its LoRA, one shared latent (kv_lora) + one shared rope key
         per token, expanded per head by kv_b; the rope part rotated GPT-J style (interleaved pairs), as
         DeepseekV2AttentionMLA's is_neox_style=False."""
-        p, w, T, H = "midlayer.self_attn.", self.w, x.shape[0], self.heads
+        p, w, (B, N), H = "midlayer.self_attn.", self.w, x.shape[:2], self.heads
         q = (self._rms(x @ w[p + "q_a_proj.weight"].T, p + "q_a_layernorm.weight") @ w[p + "q_b_proj.weight"].T)
-        q = q.view(T, H, self.nope + self.rope_dim).transpose(0, 1)
+        q = q.view(B, N, H, self.nope + self.rope_dim).transpose(1, 2)
         ckv = x @ w[p + "kv_a_proj_with_mqa.weight"].T
-        latent, k_rot = ckv[:, : self.kv_lora], ckv[:, self.kv_lora:]
-        kv = (self._rms(latent, p + "kv_a_layernorm.weight") @ w[p + "kv_b_proj.weight"].T).view(T, H, self.nope + self.vd)
-        k_nope, v = kv[..., : self.nope].transpose(0, 1), kv[..., self.nope:].transpose(0, 1)
+        latent, k_rot = ckv[..., : self.kv_lora], ckv[..., self.kv_lora:]
+        kv = (self._rms(latent, p + "kv_a_layernorm.weight") @ w[p + "kv_b_proj.weight"].T).view(B, N, H, self.nope + self.vd)
+        k_nope, v = kv[..., : self.nope].transpose(1, 2), kv[..., self.nope:].transpose(1, 2)
 
         def rot(t):  # interleaved pairs (x0, x1), (x2, x3), ... -> halves, then the half-split rotation
             t = t.unflatten(-1, (-1, 2)).transpose(-1, -2).flatten(-2)
             return self._rope(t, pos, self.rope_dim // 2)
 
-        q_rot, k_rot = rot(q[..., self.nope:]), rot(k_rot[None])
+        q_rot, k_rot = rot(q[..., self.nope:]), rot(k_rot[:, None])
         q = torch.cat([q[..., : self.nope], q_rot], -1)
-        k = torch.cat([k_nope, k_rot.expand(H, -1, -1)], -1)
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
+        return q, torch.cat([k_nope, k_rot.expand(-1, H, -1, -1)], -1), v
 
-    def layer(self, tokens: torch.Tensor, hidden: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    def attend(self, q, k, v, mask=None, causal: bool = False) -> torch.Tensor:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
+                                              scale=self.scale if self.mla else None)
+
+    def finish(self, hidden: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        """Residual + o_proj of attention [B, heads, N, dv] over the raw hidden input [B, N, H], then the MLP."""
         p, w = "midlayer.", self.w
-        e = self._rms(self.embed[tokens], p + "input_layernorm.weight")
-        x = torch.cat([e, self._rms(hidden, p + "hidden_norm.weight")], -1)
-        a = (self._mla if self.mla else self._gqa)(x, pos)
-        h = hidden + a.transpose(0, 1).reshape(x.shape[0], -1) @ w[p + "self_attn.o_proj.weight"].T
+        h = hidden + attn.transpose(1, 2).flatten(2) @ w[p + "self_attn.o_proj.weight"].T
         y = self._rms(h, p + "post_attention_layernorm.weight")
         mlp = (F.silu(y @ w[p + "mlp.gate_proj.weight"].T) * (y @ w[p + "mlp.up_proj.weight"].T)) @ w[p + "mlp.down_proj.weight"].T
         return h + mlp
 
+    def layer(self, tokens: torch.Tensor, hidden: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """The layer over one sequence ([T] tokens, [T, H] hidden, [T] positions), causal: outputs [T, H]."""
+        q, k, v = self.qkv(self.inputs(tokens[None], hidden[None]), pos[None])
+        return self.finish(hidden[None], self.attend(q, k, v, causal=True))[0]
+
+    def logits(self, out_hidden: torch.Tensor) -> torch.Tensor:
+        return self._rms(out_hidden, "norm.weight") @ self.w["lm_head.weight"].T
+
     def next_target_id(self, out_hidden: torch.Tensor) -> int:
-        d = int(torch.argmax(self._rms(out_hidden, "norm.weight") @ self.w["lm_head.weight"].T))
+        d = int(torch.argmax(self.logits(out_hidden)))
         return d + int(self.d2t[d])
+
+    def next_target_ids(self, out_hidden: torch.Tensor) -> torch.Tensor:
+        """[B, H] -> [B] target ids, on the device."""
+        d = self.logits(out_hidden).argmax(-1)
+        return d + self.d2t[d]
 
 
 def _rotary(config: dict, head_dim: int):
@@ -186,16 +212,24 @@ def measure(cfg, store, prompts: list[list[int]], out: Path) -> Path:
     embed = model.get_input_embeddings().weight.detach()
     trained = ExportedDraft(load_file(str(export / "model.safetensors")), config, embed, device)
     untrained = ExportedDraft(untrained_tensors(cfg, store, folder), config, embed, device)
-    report = {"prompts": len(prompts), "max_new_tokens": e.max_new_tokens, "draft_lengths": list(range(1, e.max_draft + 1))}
-    greedy_refs = [model.generate(torch.tensor([p], device=device), max_new_tokens=e.max_new_tokens, do_sample=False,
-                                  eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)[0, len(p):].tolist()
-                   for p in prompts]  # plain greedy decoding, the reference every speculative run must equal
+    report = {"prompts": len(prompts), "max_new_tokens": e.max_new_tokens, "draft_lengths": list(range(1, e.max_draft + 1)),
+              "batch_size": e.batch_size}
+    chunks = [prompts[i: i + e.batch_size] for i in range(0, len(prompts), e.batch_size)]
+    eos = tok.eos_token_id
+    if e.batch_size > 1:
+        greedy_refs = [g for c in chunks for g in batched.greedy(model, capture, c, e.max_new_tokens, eos)]
+    else:  # plain greedy decoding, the reference every speculative run must equal
+        greedy_refs = [model.generate(torch.tensor([p], device=device), max_new_tokens=e.max_new_tokens,
+                                      do_sample=False, eos_token_id=eos, pad_token_id=tok.pad_token_id)[0, len(p):].tolist()
+                       for p in prompts]
     for name, dr in (("trained", trained), ("untrained", untrained)):
         report[name] = {}
         for k in range(1, e.max_draft + 1):
+            runs = ([r for c in chunks for r in batched.speculate(model, capture, dr, c, e.max_new_tokens, k, eos)]
+                    if e.batch_size > 1 else
+                    [speculate(model, capture, dr, p, e.max_new_tokens, k, eos) for p in prompts])
             per_prompt, pooled_rounds, mismatches = [], [], 0
-            for p, greedy in zip(prompts, greedy_refs):
-                gen, rounds = speculate(model, capture, dr, p, e.max_new_tokens, k, tok.eos_token_id)
+            for (gen, rounds), greedy in zip(runs, greedy_refs):
                 mismatches += gen != greedy
                 per_prompt.append(sum(r + 1 for r in rounds) / max(len(rounds), 1))
                 pooled_rounds += rounds

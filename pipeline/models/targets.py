@@ -100,17 +100,26 @@ def _sha256(path: Path) -> str:
 
 
 def _build_once(folder: Path, build) -> Path:
+    """Build into a temporary folder and rename it into place, under a file lock: processes sharing one cache
+    (cluster jobs, parallel test workers) build it once, and none sees a half-written folder or loses it."""
+    import fcntl
+
     if (folder / MARKER).is_file():
         return folder
-    log.info("building target folder %s (once; cached afterwards)", folder)
-    tmp = folder.with_name(folder.name + f".tmp{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    provenance = build(tmp)
-    from pipeline import __version__
-    (tmp / MARKER).write_text(json.dumps({"built_by": f"eaglepipe {__version__}", **provenance}, indent=1))
-    shutil.rmtree(folder, ignore_errors=True)
-    os.replace(tmp, folder)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    with open(folder.with_name(folder.name + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, also if this process dies
+        if (folder / MARKER).is_file():  # another process built it while we waited
+            return folder
+        log.info("building target folder %s (once; cached afterwards)", folder)
+        tmp = folder.with_name(folder.name + f".tmp{os.getpid()}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        provenance = build(tmp)
+        from pipeline import __version__
+        (tmp / MARKER).write_text(json.dumps({"built_by": f"eaglepipe {__version__}", **provenance}, indent=1))
+        shutil.rmtree(folder, ignore_errors=True)
+        os.replace(tmp, folder)
     return folder
 
 

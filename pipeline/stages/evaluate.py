@@ -34,7 +34,7 @@ def out_dir(cfg) -> Path:
 
 # Knobs that cannot change evaluate's figures, left out of its fingerprint: a timeout only fails a run; the
 # offline bench reads no server knob, the online one neither the draft lengths nor the local device.
-NOT_SHAPING = ("endpoint_timeout_s",)
+NOT_SHAPING = ("endpoint_timeout_s", "batch_size")  # batch_size: the same tau either way (tests hold it)
 OFFLINE_ONLY = ("max_draft", "device")
 ONLINE_ONLY = ("baseline_endpoint", "endpoint_concurrency")
 
@@ -57,7 +57,7 @@ def is_complete(cfg) -> bool:
 def check(cfg) -> None:
     """Every problem with the eval settings, before acceptance.json / online.json is replaced."""
     e, problems = cfg.eval, []
-    for key in ("num_prompts", "max_new_tokens", "max_draft", "endpoint_concurrency"):
+    for key in ("num_prompts", "max_new_tokens", "max_draft", "endpoint_concurrency", "batch_size"):
         if e[key] < 1:
             problems.append(f"eval.{key}={e[key]} must be >= 1")
     if e.prompt_tokens < 2:

@@ -393,12 +393,21 @@ def _finish(accelerator, model, cfg, root: Path, step: int, final_val: dict, ups
     summary = {"produced_by": f"eaglepipe {__version__}", "optimizer_steps": step, "upstream": upstream,
                "val_before": first_val, "val_after": final_val,
                "val_samples": [int(i) for i in plan.val_idx],  # held out by sample; evaluate prompts from these
-               "split_by_tokens_per_pack": plan.split,
+               "split_by_tokens_per_pack": plan.split, "throughput": _throughput(rows),
                "config": OmegaConf.to_container(cfg, resolve=True)}
     (final / "train_summary.json").write_text(json.dumps(summary, indent=1, default=str))
     _plot(rows, root / "plots", cfg.train.ttt_steps)
     log.info("train: val full_acc_0 %.4f -> %.4f after %d steps; draft saved to %s",
              first_val["full_acc_0"], final_val["full_acc_0"], step, final)
+
+
+def _throughput(rows: list[dict]) -> dict:
+    """Real (unpadded) tokens per second over the logged windows, all ranks together: the median and the last
+    (the first window also holds compilation)."""
+    rates = [r["tokens_per_s"] for r in rows if r.get("split") == "train" and "tokens_per_s" in r]
+    if not rates:
+        return {"windows": 0}
+    return {"windows": len(rates), "tokens_per_s_median": sorted(rates)[len(rates) // 2], "tokens_per_s_last": rates[-1]}
 
 
 def _plot(rows: list[dict], out: Path, ttt_steps: int) -> None:

@@ -1,6 +1,7 @@
 """Offline evaluation: our SGLang-layout draft forward equals speculators', speculation equals greedy."""
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -37,3 +38,40 @@ def test_speculative_decoding_equals_greedy_and_the_trained_draft_beats_the_floo
         assert report["untrained"][k]["tau"] == 1.0
         assert report["trained"][k]["tau"] > 1.25 + 0.05 * int(k), (k, report["trained"][k]["tau"])
     assert (run_dir / "eval" / "tau.png").stat().st_size > 5_000
+
+
+def test_batched_speculation_is_the_serial_reference_row_by_row(evaluated):
+    """The bench decodes prompts together (eval.batch_size, padded caches with per-row validity masks); the
+    serial one-prompt path (offline.speculate, transformers' generate) is the reference it must equal exactly:
+    every row's tokens and its accepted count in every round, on a draft that accepts (tau ~1.5 here)."""
+    import torch
+    from safetensors.torch import load_file
+
+    from pipeline.acceptance import batched, offline
+    from pipeline.engines.hf_capture import Capture
+    from pipeline.models import targets
+    from pipeline.run_dir import RunDir
+    from pipeline.stages import evaluate
+
+    cfg, run_dir = evaluated
+    store = RunDir.of(cfg).open_features()
+    folder = Path(store.facts["target_path"])
+    tok = targets.load_tokenizer(folder, cfg.target)
+    model = targets.load_model(folder, cfg.target, "cpu", torch.float32, "sdpa")
+    capture = Capture(model, store.aux_layer_ids)
+    config = json.loads((run_dir / "export" / "sglang" / "config.json").read_text())
+    dr = offline.ExportedDraft(load_file(str(run_dir / "export" / "sglang" / "model.safetensors")), config,
+                               model.get_input_embeddings().weight.detach())
+    prompts = evaluate.heldout_prompts(cfg, store, 6, cfg.eval.prompt_tokens)
+    n, eos = cfg.eval.max_new_tokens, tok.eos_token_id
+    assert len({len(p) for p in prompts}) > 1  # rows of different lengths: the padding is exercised
+    generate = [model.generate(torch.tensor([p]), max_new_tokens=n, do_sample=False, eos_token_id=eos,
+                               pad_token_id=tok.pad_token_id)[0, len(p):].tolist() for p in prompts]
+    assert batched.greedy(model, capture, prompts, n, eos) == generate
+    accepted = 0
+    for k in (1, 3):
+        rows = batched.speculate(model, capture, dr, prompts, n, k, eos)
+        for p, (gen, rounds), ref in zip(prompts, rows, generate):
+            assert (gen, rounds) == offline.speculate(model, capture, dr, p, n, k, eos) and gen == ref
+            accepted += sum(rounds)
+    assert accepted > 0

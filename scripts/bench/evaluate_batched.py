@@ -1,0 +1,94 @@
+"""Benchmark: the offline bench's batched greedy-chain speculation vs its serial reference (issue #14, item 3).
+
+Same export, same prompts, same device, fp32 (as stage evaluate runs): for each draft length k, every prompt
+through `offline.speculate` one at a time, then all of them through `batched.speculate` in batches of
+eval.batch_size; wall times, tau of each, and whether every row's tokens and accepted counts are identical.
+Usage (an exported run dir; the overrides that made it):
+  python scripts/bench/evaluate_batched.py +experiment=gpu_smollm2 run_dir=/tmp/gpurun cache_dir=/tmp/epcache \
+      eval.num_prompts=32 eval.max_new_tokens=64 eval.max_draft=5 eval.batch_size=32
+Writes evaluate_batched.json to $OUT (or the run dir) and prints a table last.
+"""
+
+import json
+import os
+import socket
+import sys
+import time
+from pathlib import Path
+
+import torch
+from hydra import compose, initialize_config_dir
+from safetensors.torch import load_file
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+from pipeline.acceptance import batched, offline  # noqa: E402
+from pipeline.config import register  # noqa: E402
+from pipeline.engines.hf_capture import Capture  # noqa: E402
+from pipeline.models import targets  # noqa: E402
+from pipeline.run_dir import RunDir  # noqa: E402
+from pipeline.stages import evaluate  # noqa: E402
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def tau(rows) -> float:
+    rounds = [r for _, rs in rows for r in rs]
+    return sum(r + 1 for r in rounds) / max(len(rounds), 1)
+
+
+def main() -> None:
+    register()
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=sys.argv[1:])
+    e = cfg.eval
+    store = RunDir.of(cfg).open_features()
+    folder = Path(store.facts["target_path"])
+    tok = targets.load_tokenizer(folder, cfg.target)
+    device, _ = targets.pick_device_dtype(e.device, "fp32")
+    model = targets.load_model(folder, cfg.target, device, torch.float32, "sdpa")
+    capture = Capture(model, store.aux_layer_ids)
+    export = RunDir.of(cfg).export("sglang")
+    dr = offline.ExportedDraft(load_file(str(export / "model.safetensors")), json.loads((export / "config.json").read_text()),
+                               model.get_input_embeddings().weight.detach(), device)
+    prompts = evaluate.heldout_prompts(cfg, store, e.num_prompts, e.prompt_tokens)
+    n, eos, bs = e.max_new_tokens, tok.eos_token_id, e.batch_size
+    chunks = [prompts[i: i + bs] for i in range(0, len(prompts), bs)]
+    batched.speculate(model, capture, dr, prompts[:2], 4, 2, eos)  # warm-up (kernels, allocator)
+    result = {"name": "evaluate_batched", "date": time.strftime("%Y-%m-%d"), "machine": socket.gethostname(),
+              "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+              "command": "python scripts/bench/evaluate_batched.py " + " ".join(sys.argv[1:]),
+              "prompts": len(prompts), "max_new_tokens": n, "batch_size": bs, "per_k": {}}
+    serial_total = batched_total = 0.0
+    for k in range(1, e.max_draft + 1):
+        sync(device)
+        t0 = time.perf_counter()
+        serial = [offline.speculate(model, capture, dr, p, n, k, eos) for p in prompts]
+        sync(device)
+        t1 = time.perf_counter()
+        rows = [r for c in chunks for r in batched.speculate(model, capture, dr, c, n, k, eos)]
+        sync(device)
+        t2 = time.perf_counter()
+        same = [tuple(s) == tuple(b) for s, b in zip(serial, rows)]
+        result["per_k"][str(k)] = {"serial_s": round(t1 - t0, 3), "batched_s": round(t2 - t1, 3),
+                                   "tau_serial": tau(serial), "tau_batched": tau(rows),
+                                   "rows_identical": sum(same), "rows": len(same)}
+        serial_total += t1 - t0
+        batched_total += t2 - t1
+        print(f"k={k}: serial {t1 - t0:.1f} s, batched {t2 - t1:.1f} s, tau {tau(serial):.4f} / {tau(rows):.4f}, "
+              f"identical rows {sum(same)}/{len(same)}", flush=True)
+    result.update(serial_s=round(serial_total, 2), batched_s=round(batched_total, 2),
+                  speedup=round(serial_total / batched_total, 2),
+                  tau_equal=all(r["tau_serial"] == r["tau_batched"] for r in result["per_k"].values()))
+    out = Path(os.environ.get("OUT") or RunDir.of(cfg).root)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "evaluate_batched.json").write_text(json.dumps(result, indent=1))
+    print(f"serial {serial_total:.1f} s, batched {batched_total:.1f} s: {serial_total / batched_total:.1f}x; "
+          f"tau equal: {result['tau_equal']}")
+
+
+if __name__ == "__main__":
+    main()
