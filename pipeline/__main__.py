@@ -105,9 +105,41 @@ def schema_as_option(args: list[str]) -> str | None:
 TOOL_HYDRA = ["hydra.output_subdir=null", "hydra/job_logging=stdout", "hydra.run.dir=."]
 
 
+def cpu_ranks_asked() -> int:
+    """N of `accelerate launch --cpu --num_processes N`, read from that launcher's own command line (Linux /proc):
+    with --cpu, accelerate takes its simple launcher, which starts ONE process whatever N says and passes no N on
+    (it spawns N only for GPUs, or through mpirun). 1 when not launched so, or already one of several ranks."""
+    if os.environ.get("ACCELERATE_USE_CPU", "").lower() != "true" or "LOCAL_RANK" in os.environ:
+        return 1
+    try:
+        args = [a.decode() for a in Path(f"/proc/{os.getppid()}/cmdline").read_bytes().split(b"\0")]
+    except OSError:
+        return 1
+    if "launch" not in args:
+        return 1
+    for i, a in enumerate(args):
+        key, _, value = a.partition("=")
+        if key in ("--num_processes", "--num-processes"):
+            value = value or (args[i + 1] if i + 1 < len(args) else "1")
+            return int(value) if value.isdigit() else 1
+    return 1
+
+
+def relaunch_ranks(argv: list[str]) -> None:
+    """stage=train under `accelerate launch --cpu --num_processes N` (N > 1): this process becomes torchrun's
+    launcher of the N ranks (gloo), so the command does what it says instead of training on one rank."""
+    n = cpu_ranks_asked()
+    if n > 1 and any(a in ("stage=train", "train") for a in argv):
+        print(f"eaglepipe: accelerate launch --cpu starts one process; starting the {n} CPU ranks asked for through "
+              "torch.distributed.run (gloo)", file=sys.stderr, flush=True)
+        os.execv(sys.executable, [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                  f"--nproc-per-node={n}", "-m", "pipeline", *argv])
+
+
 def main() -> None:
     from pipeline.runner import TOOLS
 
+    relaunch_ranks(sys.argv[1:])
     # `eaglepipe verify export_dir=...` is `eaglepipe stage=verify export_dir=...`
     if len(sys.argv) > 1 and "=" not in sys.argv[1] and not sys.argv[1].startswith("-"):
         sys.argv[1] = f"stage={sys.argv[1].replace('-', '_')}"  # check-store is stage=check_store

@@ -42,7 +42,8 @@ log = logging.getLogger(__name__)
 # checkpoints exist. Left out of the fingerprint, so changing one never reruns training.
 NOT_SHAPING = ("num_workers", "wandb", "resume", "keep_last", "save_every_steps")
 # A checkpoint may also be resumed under another logging/validation cadence or device (train_config_hash).
-RESUMABLE_ACROSS = NOT_SHAPING + ("log_every_steps", "val_every_steps", "device")
+# grad_accum: a checkpoint resumes on another number of ranks, where keeping ranks x grad_accum keeps the batch
+RESUMABLE_ACROSS = NOT_SHAPING + ("log_every_steps", "val_every_steps", "device", "grad_accum")
 
 
 def out_dir(cfg) -> Path:
@@ -123,7 +124,7 @@ class Plan:
     """What the data gives this rank: the sample split, the packs of every epoch, the step count."""
     train_idx: list
     val_idx: list
-    epochs: list  # per epoch, this rank's packs
+    epochs: list  # per epoch, ALL its packs in global order (each rank takes its share from the data position)
     val_packs: list
     total_steps: int
     split: dict  # samples longer than a pack: how many, into how many windows, positions repeated as context
@@ -147,7 +148,7 @@ class Session:
 class Progress:
     step: int = 0
     epoch: int = 0
-    done_in_epoch: int = 0  # micro-batches of `epoch` already trained
+    packs_done: int = 0  # packs of `epoch` already trained, all ranks together (a global position: elastic)
 
 
 def run(cfg) -> Path:
@@ -168,13 +169,12 @@ def _plan(cfg, store: fs.FeatureStore, rank: int, world: int) -> Plan:
     lengths = store.sample_lengths()
     train_idx, val_idx = split(len(lengths), t.val_fraction, cfg.seed)
     ctx = split_context(t)
-    epochs = [shard_for_rank(plan_packs(train_idx, lengths, t.tokens_per_pack, cfg.seed, e, context=ctx), rank, world)
-              for e in range(t.epochs)]
-    steps = sum(len(p) // t.grad_accum for p in epochs)
+    epochs = [plan_packs(train_idx, lengths, t.tokens_per_pack, cfg.seed, e, context=ctx) for e in range(t.epochs)]
+    steps = sum(len(rank_share(p, 0, rank, world, t.grad_accum)) // t.grad_accum for p in epochs)
     total_steps = min(steps, t.max_steps or steps)
     if total_steps < 1:
-        raise UserError(f"no optimizer step fits: {len(train_idx)} training samples make {len(epochs[0])} packs "
-                        f"per rank, fewer than train.grad_accum={t.grad_accum}; lower tokens_per_pack or add data")
+        raise UserError(f"no optimizer step fits: {len(train_idx)} training samples make {len(epochs[0])} packs, "
+                        f"fewer than {world} rank(s) x train.grad_accum={t.grad_accum}; lower tokens_per_pack or add data")
     val_packs = shard_for_rank(plan_packs(val_idx, lengths, t.tokens_per_pack, cfg.seed, 0, shuffle=False,
                                           context=ctx), rank, world)
     splits = split_counts(train_idx, lengths, t.tokens_per_pack, ctx)  # nothing is cut: long samples are split
@@ -207,7 +207,11 @@ def _setup(cfg) -> tuple[Session, Plan]:
     optimizer = torch.optim.AdamW(trainable, lr=t.lr, weight_decay=t.weight_decay, betas=(0.9, 0.95))
     scheduler = get_scheduler(t.schedule, optimizer, num_warmup_steps=t.warmup_steps,
                               num_training_steps=plan.total_steps)
-    model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+    # The scheduler is NOT prepared: accelerate's wrapper steps it once per rank per optimizer step (it assumes the
+    # per-rank batch was scaled up), so on 2 ranks the warmup and cosine ran at twice the speed. Stepped once per
+    # optimizer step here, it counts optimizer steps on any number of ranks, and a checkpoint resumes elastically.
+    model, optimizer = accelerator.prepare(model, optimizer)
+    accelerator.register_for_checkpointing(scheduler)
     fwd = dict(ttt_steps=t.ttt_steps, ttt_step_loss_decay=t.ttt_step_loss_decay,
                loss_config=resolve_loss_config(t.loss, "eager"))
     root = out_dir(cfg)
@@ -218,7 +222,7 @@ def _setup(cfg) -> tuple[Session, Plan]:
     if accelerator.is_main_process:
         log.info("train: %d train / %d val samples, %d packs/epoch/rank of <= %d tokens, %d ranks, %d steps, "
                  "aux layers %s (from the feature store), draft vocab %d, %d trainable params",
-                 len(plan.train_idx), len(plan.val_idx), len(plan.epochs[0]), t.tokens_per_pack,
+                 len(plan.train_idx), len(plan.val_idx), len(plan.epochs[0]) // accelerator.num_processes, t.tokens_per_pack,
                  accelerator.num_processes, plan.total_steps, store.aux_layer_ids, len(d2t),
                  sum(p.numel() for p in trainable))
     return Session(accelerator, model, optimizer, scheduler, trainable, fwd, store, root, upstream), plan
@@ -240,9 +244,16 @@ def _resume_or_clear(cfg, s: Session) -> Progress:
             if "size mismatch" not in str(e):
                 raise
             raise UserError(f"{refuse} (its tensors have other shapes than this draft's)") from None
-        p = Progress(state["optimizer_step"], state["epoch"], state["batches_done_in_epoch"])
-        log.info("train: resumed from %s (step %d, epoch %d, %d batches into it)", found[0], p.step, p.epoch,
-                 p.done_in_epoch)
+        # checkpoints before the global position (all single-process) counted this rank's micro-batches
+        p = Progress(state["optimizer_step"], state["epoch"], state.get("packs_done_in_epoch", state.get("batches_done_in_epoch")))
+        world, was = s.accelerator.num_processes, state.get("world_size", 1)
+        log.info("train: resumed from %s (step %d, epoch %d, %d packs into it), on %d rank(s)%s", found[0], p.step,
+                 p.epoch, p.packs_done, world, f" (it was written by {was})" if was != world else "")
+        batch, was_batch = world * cfg.train.grad_accum, was * state.get("grad_accum", cfg.train.grad_accum)
+        if batch != was_batch:
+            log.warning("train: %d packs per optimizer step now (ranks x grad_accum), %d before the checkpoint: the "
+                        "remaining packs are trained at the new batch (keep ranks x grad_accum for an exact resume)",
+                        batch, was_batch)
         return p
     if s.accelerator.is_main_process:
         stale = checkpoint.set_aside(s.root)
@@ -273,9 +284,8 @@ def _loop(cfg, s: Session, plan: Plan, p: Progress) -> None:
     # the bar is closed (its line ended) on an error too, so the one-line error starts a line of its own
     with tqdm(total=plan.total_steps, initial=p.step, disable=not acc.is_local_main_process, desc="train") as bar:
         while p.step < plan.total_steps and p.epoch < t.epochs:
-            packs = plan.epochs[p.epoch]
-            loader = torch.utils.data.DataLoader(PackDataset(s.store.root, packs[p.done_in_epoch:], t.tokens_per_pack,
-                                                             t.pad_packs),
+            mine = rank_share(plan.epochs[p.epoch], p.packs_done, acc.process_index, acc.num_processes, t.grad_accum)
+            loader = torch.utils.data.DataLoader(PackDataset(s.store.root, mine, t.tokens_per_pack, t.pad_packs),
                                                  batch_size=None, shuffle=False, num_workers=t.num_workers,
                                                  pin_memory=acc.device.type == "cuda")
             s.model.train()
@@ -283,7 +293,7 @@ def _loop(cfg, s: Session, plan: Plan, p: Progress) -> None:
                 if STORE_ERROR in batch:
                     raise UserError(batch[STORE_ERROR])
                 metrics = _micro_step(t, s, batch)
-                p.done_in_epoch += 1
+                p.packs_done += acc.num_processes
                 window_tokens += int((batch["document_ids"] != -1).sum())  # real tokens, padding not counted
                 for k, v in metrics.items():  # summed on the device; read back only when logging (no per-step sync)
                     window[k] = window[k] + v.detach()
@@ -302,12 +312,21 @@ def _loop(cfg, s: Session, plan: Plan, p: Progress) -> None:
                     _log(acc, metrics_file, {"split": "val", **_validate(acc, s.model, cfg, plan.val_packs, s.fwd)}, p.step)
                     s.model.train()
                 if p.step % t.save_every_steps == 0 or p.step == plan.total_steps:
-                    _save(acc, s.root, {"optimizer_step": p.step, "epoch": p.epoch, "batches_done_in_epoch": p.done_in_epoch,
+                    _save(acc, s.root, {"optimizer_step": p.step, "epoch": p.epoch, "packs_done_in_epoch": p.packs_done,
+                                        "world_size": acc.num_processes, "grad_accum": t.grad_accum,
                                         "seed": cfg.seed, "upstream": s.upstream}, t.keep_last)
                 if p.step >= plan.total_steps:
                     break
-            if p.done_in_epoch >= len(packs) - len(packs) % t.grad_accum:
-                p.epoch, p.done_in_epoch = p.epoch + 1, 0
+            if p.step < plan.total_steps:  # this epoch's share is done (the loader ran out)
+                p.epoch, p.packs_done = p.epoch + 1, 0
+
+
+def rank_share(packs: list, done: int, rank: int, world: int, grad_accum: int) -> list:
+    """This rank's packs of an epoch from global position `done` on: the rest dealt round-robin over the ranks,
+    each share cut to whole optimizer steps (the tail that does not fill one step on every rank is dropped).
+    A checkpoint records `done`, so it resumes on any number of ranks over exactly the packs not yet trained."""
+    share = shard_for_rank(packs[done:], rank, world)
+    return share[: len(share) - len(share) % grad_accum]
 
 
 def _micro_step(t, s: Session, batch: dict) -> dict:
@@ -320,8 +339,9 @@ def _micro_step(t, s: Session, batch: dict) -> dict:
         acc.backward(loss)
         if acc.sync_gradients and t.max_grad_norm:
             acc.clip_grad_norm_(s.trainable, t.max_grad_norm)
-        s.optimizer.step()
-        s.scheduler.step()
+        s.optimizer.step()  # accelerate's optimizer steps only when the accumulation window closes
+        if acc.sync_gradients:
+            s.scheduler.step()
         s.optimizer.zero_grad(set_to_none=True)
     return metrics
 
@@ -394,6 +414,7 @@ def _finish(accelerator, model, cfg, root: Path, step: int, final_val: dict, ups
                "val_before": first_val, "val_after": final_val,
                "val_samples": [int(i) for i in plan.val_idx],  # held out by sample; evaluate prompts from these
                "split_by_tokens_per_pack": plan.split, "throughput": _throughput(rows),
+               "world_size": accelerator.num_processes, "grad_accum": cfg.train.grad_accum,
                "config": OmegaConf.to_container(cfg, resolve=True)}
     (final / "train_summary.json").write_text(json.dumps(summary, indent=1, default=str))
     _plot(rows, root / "plots", cfg.train.ttt_steps)

@@ -18,6 +18,7 @@ class Accelerator:
     """What train's checkpoint code asks of accelerate's Accelerator, recorded."""
 
     is_main_process = True
+    num_processes = 1
 
     def __init__(self):
         self.loaded, self.saved_into = [], []
@@ -45,7 +46,7 @@ def cfg(resume=Resume.auto, seed=0):
 
 
 def save(s, step, epoch=0, done=0, seed=0, upstream=UPSTREAM, keep_last=3):
-    train._save(s.accelerator, s.root, {"optimizer_step": step, "epoch": epoch, "batches_done_in_epoch": done,
+    train._save(s.accelerator, s.root, {"optimizer_step": step, "epoch": epoch, "packs_done_in_epoch": done,
                                         "seed": seed, "upstream": dict(upstream)}, keep_last)
 
 
@@ -56,7 +57,7 @@ def test_save_writes_the_accelerator_state_into_tmp_then_publishes_the_step(tmp_
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_000004"]
     path, state = ckpt.latest(tmp_path)
     assert (path / "model.safetensors").read_text() == "weights"
-    assert (state["optimizer_step"], state["epoch"], state["batches_done_in_epoch"]) == (4, 1, 6)
+    assert (state["optimizer_step"], state["epoch"], state["packs_done_in_epoch"]) == (4, 1, 6)
 
 
 def test_save_keeps_the_newest_keep_last(tmp_path):
@@ -71,7 +72,7 @@ def test_resume_auto_continues_from_the_newest_checkpoint_at_its_recorded_positi
     save(s, 2, epoch=0, done=2)
     save(s, 5, epoch=1, done=3)
     p = train._resume_or_clear(cfg(), s)
-    assert (p.step, p.epoch, p.done_in_epoch) == (5, 1, 3)
+    assert (p.step, p.epoch, p.packs_done) == (5, 1, 3)
     assert s.accelerator.loaded == [str(tmp_path / "step_000005")]
 
 
@@ -96,7 +97,7 @@ def test_resume_never_starts_at_zero_and_sets_every_earlier_checkpoint_and_final
     (tmp_path / "final").mkdir()
     (tmp_path / "step_000009.tmp").mkdir()
     p = train._resume_or_clear(cfg(Resume.never), s)
-    assert (p.step, p.epoch, p.done_in_epoch) == (0, 0, 0)
+    assert (p.step, p.epoch, p.packs_done) == (0, 0, 0)
     assert s.accelerator.loaded == []
     assert [d.name for d in tmp_path.iterdir()] == [".replaced"]  # deleted at this run's first checkpoint
     assert sorted(d.name for d in (tmp_path / ".replaced" / "000").iterdir()) == ["final", "step_000003",
@@ -117,3 +118,12 @@ def test_only_the_main_process_clears(tmp_path):
     s.accelerator.is_main_process = False
     train._resume_or_clear(cfg(Resume.never), s)
     assert (tmp_path / "step_000003").is_dir()
+
+
+def test_a_checkpoint_from_before_the_global_position_resumes_where_it_stopped(tmp_path):
+    """Checkpoints written before packs_done_in_epoch counted this (single) rank's micro-batches."""
+    s = session(tmp_path)
+    train._save(s.accelerator, s.root, {"optimizer_step": 5, "epoch": 1, "batches_done_in_epoch": 3, "seed": 0,
+                                        "upstream": dict(UPSTREAM)}, 3)
+    p = train._resume_or_clear(cfg(), s)
+    assert (p.step, p.epoch, p.packs_done) == (5, 1, 3)

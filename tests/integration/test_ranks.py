@@ -1,0 +1,86 @@
+"""Training on several processes (issue #15): `accelerate launch --cpu --num_processes 2` really starts 2 ranks
+(accelerate's --cpu alone starts one: eaglepipe relaunches through torch.distributed.run, gloo); 2 ranks x 1
+pack per step equal 1 rank x grad_accum 2 on the same packs; a checkpoint resumes on the other number of ranks
+over exactly the packs not yet trained (its data position is global), ending at the same weights.
+
+One store (tiny); every run is its own process on its own run dir with that store copied in:
+  A: 2 ranks, grad_accum 1    C: 1 rank, grad_accum 2     (uninterrupted, checkpoints every 2 steps)
+  B: A's step-4 checkpoint resumed on 1 rank, grad_accum 2    D: C's step-4 checkpoint resumed on 2 ranks."""
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from pipeline.runner import run_stages
+
+pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parents[2]
+COMMON = ["+experiment=tiny", "data.limit=40", "train.max_steps=8", "train.save_every_steps=2", "train.keep_last=10",
+          "train.val_every_steps=1000", "train.device=cpu", "eval.num_prompts=2"]
+
+
+def _train(run_dir: Path, cache_dir: str, ranks: int, grad_accum: int) -> subprocess.CompletedProcess:
+    accelerate = str(Path(sys.executable).parent / "accelerate")  # the CLI users type (its `launch` subcommand)
+    head = [accelerate, "launch", "--cpu", "--num_processes", str(ranks), "-m"] if ranks > 1 else [sys.executable, "-m"]
+    cmd = head + ["pipeline", *COMMON, f"train.grad_accum={grad_accum}", "stage=train",
+                  f"run_dir={run_dir}", f"cache_dir={cache_dir}"]
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return r
+
+
+def _copy_inputs(src: Path, dst: Path, checkpoint: str | None = None) -> Path:
+    dst.mkdir(parents=True)
+    for name in ("prepared", "features", "vocab"):
+        shutil.copytree(src / name, dst / name)
+    if checkpoint:  # as if killed right after that checkpoint
+        shutil.copytree(src / "train" / checkpoint, dst / "train" / checkpoint)
+    return dst
+
+
+def _final(run_dir: Path) -> dict:
+    return load_file(str(run_dir / "train" / "final" / "model.safetensors"))
+
+
+def _close(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    return max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
+
+
+@pytest.fixture(scope="module")
+def runs(make_cfg, tmp_path_factory, cache_dir):
+    root = tmp_path_factory.mktemp("ranks")
+    store = root / "store"
+    for stage in ("prepare", "extract", "vocab"):
+        run_stages(make_cfg(*COMMON, f"stage={stage}", run_dir=store))
+    a, c = _copy_inputs(store, root / "A"), _copy_inputs(store, root / "C")
+    logs = {"A": _train(a, cache_dir, 2, 1), "C": _train(c, cache_dir, 1, 2)}
+    b, d = _copy_inputs(a, root / "B", "step_000004"), _copy_inputs(c, root / "D", "step_000004")
+    logs["B"], logs["D"] = _train(b, cache_dir, 1, 2), _train(d, cache_dir, 2, 1)
+    return {"A": a, "B": b, "C": c, "D": d, "logs": logs}
+
+
+def test_accelerate_launch_cpu_with_two_processes_trains_on_two_ranks(runs):
+    summary = json.loads((runs["A"] / "train" / "final" / "train_summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["optimizer_steps"] == 8
+    assert "starting the 2 CPU ranks" in runs["logs"]["A"].stderr
+    assert json.loads((runs["C"] / "train" / "final" / "train_summary.json").read_text())["world_size"] == 1
+
+
+def test_two_ranks_equal_one_rank_with_two_accumulation_steps(runs):
+    assert _close(_final(runs["A"]), _final(runs["C"])) <= 1e-5
+
+
+def test_a_checkpoint_of_two_ranks_resumes_on_one_and_of_one_on_two(runs):
+    for resumed, straight, was, now in (("B", "A", 2, 1), ("D", "C", 1, 2)):
+        log = runs["logs"][resumed].stdout + runs["logs"][resumed].stderr
+        assert "train: resumed from" in log and f"on {now} rank(s) (it was written by {was})" in log, log[-2000:]
+        state = json.loads((runs[straight] / "train" / "step_000004" / "train_state.json").read_text())
+        assert state["world_size"] == was and state["packs_done_in_epoch"] == 8  # 4 steps x 2 packs, a global position
+        assert _close(_final(runs[resumed]), _final(runs[straight])) <= 1e-5, (resumed, straight)
