@@ -81,7 +81,7 @@ def fingerprint(cfg) -> str:
 
 def _shaping(t, leave_out: tuple[str, ...]) -> dict:
     """The train section as fingerprinted: the default Llama draft leaves out draft_arch, so runs trained before
-    the knob existed keep their fingerprints (and resume)."""
+    the knob existed keep their stage fingerprints (not skipped into retraining)."""
     data = shaping(t, leave_out)
     if data.get("draft_arch") == "llama":
         data.pop("draft_arch")
