@@ -218,6 +218,35 @@ def _sglang_capture(folder: Path, aux: list[int], model_cfg, ex):
     return sc.SGLangCapture(runner, aux), rank
 
 
+def _valid_rows(h: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+    """[B, W, D] right-padded states -> [sum(lengths), D], the real tokens row after row, gathered on the device
+    (an index built on the host: no device sync, and no padding crosses to the host)."""
+    width = h.shape[1]
+    idx = torch.cat([torch.arange(n) + r * width for r, n in enumerate(lengths)])
+    return h.flatten(0, 1).index_select(0, idx.to(h.device, non_blocking=True))
+
+
+def _to_host(t: torch.Tensor):
+    """(host tensor, event): on CUDA an asynchronous copy into pinned memory, done when the event is."""
+    if t.device.type != "cuda":
+        return t, None
+    out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    out.copy_(t, non_blocking=True)
+    event = torch.cuda.Event()
+    event.record()
+    return out, event
+
+
+def _scatter(writer, ids_all, mask_all, batch: list[int], lengths: list[int], copied) -> None:
+    """A copied batch into the shard's host buffer, sample by sample, once its copy has landed."""
+    (aux, aux_done), (last, last_done) = copied
+    for event in (aux_done, last_done):
+        if event is not None:
+            event.synchronize()
+    for i, a, b in zip(batch, aux.split(lengths), last.split(lengths)):
+        writer.write(i, np.asarray(ids_all[i]), np.asarray(mask_all[i]), a, b)
+
+
 def _extract_shards(cfg, ds, todo, capture, facts, manifest, device, hidden: int, n_aux: int,
                     write: bool = True) -> None:
     ex = cfg.extract
@@ -230,16 +259,20 @@ def _extract_shards(cfg, ds, todo, capture, facts, manifest, device, hidden: int
                                     str(getattr(ex.compressor, "value", ex.compressor)), ex.clevel)
             rows = ds.select(range(spec.sample_start, spec.sample_end))
             ids_all, mask_all = rows["input_ids"], rows["loss_mask"]
+            pending = None  # the previous batch: its copy to the host runs while this batch computes
             for batch in plan_batches(spec.lengths, ex.batch_tokens, ex.max_batch_size):
                 input_ids, attn = pad_batch([ids_all[i] for i in batch])
                 aux_h, last_h = capture(input_ids.to(device), attn.to(device))
                 if not write:
                     continue
-                aux_h, last_h = aux_h.cpu(), last_h.cpu()
-                for r, i in enumerate(batch):  # a copy into the shard's host buffer
-                    n = spec.lengths[i]
-                    writer.write(i, np.asarray(ids_all[i]), np.asarray(mask_all[i]), aux_h[r, :n], last_h[r, :n])
-                bar.update(int(sum(spec.lengths[i] for i in batch)))
+                ns = [spec.lengths[i] for i in batch]
+                copied = [_to_host(_valid_rows(h, ns)) for h in (aux_h, last_h)]  # the real tokens only
+                if pending is not None:
+                    _scatter(writer, ids_all, mask_all, *pending)
+                pending = (batch, ns, copied)
+                bar.update(int(sum(ns)))
+            if pending is not None:
+                _scatter(writer, ids_all, mask_all, *pending)
             if commit is not None:
                 commit.result()  # at most one shard compressing while the next one computes
             if write:
