@@ -157,10 +157,15 @@ def sglang_param_table(s: Shape) -> dict[str, tuple[int, ...]]:
     """Parameters of sglang 0.5.23 LlamaForCausalLMEagle3 (one layer), as its module tree declares them."""
     q, kv = s.heads * s.head_dim, s.kv_heads * s.head_dim
     p = "model.layers.0."
+    return {p + "self_attn.qkv_proj.weight": (q + 2 * kv, 2 * s.hidden), p + "self_attn.o_proj.weight": (s.hidden, q),
+            **_eagle3_params(p, s)}
+
+
+def _eagle3_params(p: str, s) -> dict[str, tuple[int, ...]]:
+    """What every SGLang EAGLE-3 draft class declares beside its attention (`p` = its layer's prefix): the
+    embedding, the dense MLP, the three layer norms, fc over the aux states, the final norm, the draft lm_head."""
     return {
         "model.embed_tokens.weight": (s.vocab, s.hidden),
-        p + "self_attn.qkv_proj.weight": (q + 2 * kv, 2 * s.hidden),
-        p + "self_attn.o_proj.weight": (s.hidden, q),
         p + "mlp.gate_up_proj.weight": (2 * s.intermediate, s.hidden),
         p + "mlp.down_proj.weight": (s.hidden, s.intermediate),
         p + "input_layernorm.weight": (s.hidden,),
@@ -193,21 +198,13 @@ def sglang_mla_param_table(s: MLAShape) -> dict[str, tuple[int, ...]]:
     DeepseekV2AttentionMLA with its q/kv down projections fused into one, widened to the 2H EAGLE-3 input."""
     p = "model.midlayer."
     return {
-        "model.embed_tokens.weight": (s.vocab, s.hidden),
         p + "self_attn.fused_qkv_a_proj_with_mqa.weight": (s.q_lora + s.kv_lora + s.rope, 2 * s.hidden),
         p + "self_attn.q_a_layernorm.weight": (s.q_lora,),
         p + "self_attn.q_b_proj.weight": (s.heads * (s.nope + s.rope), s.q_lora),
         p + "self_attn.kv_a_layernorm.weight": (s.kv_lora,),
         p + "self_attn.kv_b_proj.weight": (s.heads * (s.nope + s.v), s.kv_lora),
         p + "self_attn.o_proj.weight": (s.hidden, s.heads * s.v),
-        p + "mlp.gate_up_proj.weight": (2 * s.intermediate, s.hidden),
-        p + "mlp.down_proj.weight": (s.hidden, s.intermediate),
-        p + "input_layernorm.weight": (s.hidden,),
-        p + "hidden_norm.weight": (s.hidden,),
-        p + "post_attention_layernorm.weight": (s.hidden,),
-        "model.fc.weight": (s.hidden, s.n_aux * s.target_hidden),
-        "model.norm.weight": (s.hidden,),
-        "lm_head.weight": (s.draft_vocab, s.hidden),
+        **_eagle3_params(p, s),
     }
 
 
@@ -248,14 +245,7 @@ def sglang_mla_load_report(tensors: dict[str, torch.Tensor], table: dict[str, tu
         else:
             dropped.append(original)
     dropped += [o for pair in held.values() for o, _ in pair]  # waited for a partner that never came
-    shape_problems = []
-    for param, shapes in written.items():
-        got = (sum(s[0] for s in shapes), *shapes[0][1:]) if len(shapes) > 1 else shapes[0]
-        if got != table[param]:
-            shape_problems.append(f"{param}: export gives {got}, engine has {table[param]}")
-    unwritten = sorted(set(table) - set(written) - SGLANG_FROM_TARGET)
-    return {"dropped": dropped, "unwritten": unwritten, "shape_problems": shape_problems,
-            "hot_token_id": hot_token_id}
+    return _load_report(written, table, dropped, hot_token_id)
 
 
 SGLANG_FROM_TARGET = {"model.embed_tokens.weight"}  # set_embed(target embedding) for EAGLE3
@@ -289,6 +279,12 @@ def sglang_load_report(tensors: dict[str, torch.Tensor], table: dict[str, tuple[
             written.setdefault(target, []).append(tuple(w.shape))
         else:
             dropped.append(original)
+    return _load_report(written, table, dropped, hot_token_id)
+
+
+def _load_report(written: dict, table: dict, dropped: list, hot_token_id) -> dict:
+    """A replay's result: stacked shards summed along dim 0 and compared with the fused parameter, and the
+    parameters nothing wrote (the embedding is the target's)."""
     shape_problems = []
     for param, shapes in written.items():
         want = table[param]
