@@ -28,6 +28,19 @@ ORDER = ["prepare", "extract", "vocab", "train", "export", "evaluate"]
 TOOLS = ["verify", "serve", "doctor", "parity", "check_store"]
 
 
+# Stages with a multi-process implementation (torchrun / accelerate launch): extract (hf: data parallel; sglang:
+# tensor parallel) and train (DDP). Any other stage on several ranks would write the same files from each.
+MULTI_RANK = ("extract", "train")
+
+
+def world_size() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def is_rank0() -> bool:
+    return int(os.environ.get("RANK", "0")) == 0
+
+
 # What each stage read (run_dir-relative): a stage skipped as up to date says so when one of them is gone
 INPUTS = {"extract": ["prepared/stats.json"], "vocab": ["features/manifest.json"],
           "train": ["features/manifest.json", "vocab/manifest.json"],
@@ -102,6 +115,9 @@ def _run_stages(cfg, stage: str) -> None:
         importlib.import_module(f"pipeline.tools.{stage}").run(cfg)
         return
     names = selected(stage)
+    if world_size() > 1 and [n for n in names if n not in MULTI_RANK]:
+        raise UserError(f"stage={stage} on {world_size()} ranks: only {' and '.join(MULTI_RANK)} run on several ranks "
+                        "(torchrun / accelerate launch); run the other stages in one process (docs/scale.md)")
     preflight(cfg, names)
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -122,10 +138,12 @@ def _run_stages(cfg, stage: str) -> None:
             log.info("stage %s: inputs changed since the last run (%s -> %s): running again", name, old["fingerprint"], fp)
         t0 = time.time()
         out = module.run(cfg)
+        if not is_rank0():  # rank 0 records the stage, once (it finishes last: both stages end at a barrier)
+            continue
         write_record(run_dir, name, {"fingerprint": fp, "output": str(out), "seconds": round(time.time() - t0, 1),
                                      "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S")})
         log.info("stage %s: done in %.1f s -> %s", name, time.time() - t0, out)
         ran.add(name)
-    if stage == "all" and int(os.environ.get("RANK", "0")) == 0:  # one summary under accelerate/torchrun
+    if stage == "all" and is_rank0():
         from pipeline import summary
         summary.report(run_dir, ORDER, ran)

@@ -21,9 +21,11 @@ chunk or a missing chunk file stops the reader (ChunkError) instead of feeding c
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import shutil
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Optional
@@ -39,6 +41,7 @@ FORMAT = "eaglepipe-features"
 LOGICAL_DTYPE = "bfloat16"
 STORAGE_DTYPE = "uint16"
 MANIFEST = "manifest.json"
+LOCK = ".manifest.lock"  # held while the manifest is read, changed and replaced (several writer processes)
 ALL_CHUNKS = {"write_empty_chunks": True}  # an all-zero chunk is written too, so a missing file is damage
 ARRAYS = ("input_ids", "loss_mask", "offsets", "aux_hidden", "last_hidden")
 
@@ -105,6 +108,32 @@ def write_manifest(root: Path, manifest: dict) -> None:
     tmp = path.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(manifest, indent=1, sort_keys=True))
     os.replace(tmp, path)
+
+
+@contextmanager
+def manifest_lock(root: Path):
+    """An exclusive lock on the store's manifest (flock on a file beside it): writers in several processes
+    (data-parallel extract) read-modify-replace the manifest one at a time. A writer killed while holding it
+    releases it with its process."""
+    with open(Path(root) / LOCK, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def add_shard(root: Path, entry: dict) -> dict:
+    """Enter one committed shard in the manifest ON DISK, under the lock, and return that manifest: a shard
+    committed by another process in the meantime is kept, the list stays ordered by sample_start."""
+    with manifest_lock(root):
+        manifest = read_manifest(root)
+        if manifest is None:
+            raise StoreError(f"{root}: the manifest is gone while shard {entry['name']} was being written")
+        manifest["shards"] = sorted([s for s in manifest["shards"] if s["name"] != entry["name"]] + [entry],
+                                    key=lambda s: s["sample_start"])
+        write_manifest(root, manifest)
+    return manifest
 
 
 def open_for_writing(root: Path, facts: dict, overwrite: bool = False) -> dict:
@@ -203,10 +232,10 @@ class ShardWriter:
             arr[...] = data
         group.create_array("offsets", data=self.offsets, compressors=[Crc32cCodec()], config=ALL_CHUNKS)
         os.replace(self.tmp, self.final)
-        manifest["shards"].append({"name": self.final.name, "sample_start": self.spec.sample_start,
-                                   "sample_end": self.spec.sample_end, "num_tokens": int(self.offsets[-1])})
-        manifest["shards"].sort(key=lambda s: s["sample_start"])
-        write_manifest(self.root, manifest)
+        on_disk = add_shard(self.root, {"name": self.final.name, "sample_start": self.spec.sample_start,
+                                        "sample_end": self.spec.sample_end, "num_tokens": int(self.offsets[-1])})
+        manifest.clear()
+        manifest.update(on_disk)  # the caller's copy: what is on disk, other processes' shards included
         self.buffers.clear()
 
 

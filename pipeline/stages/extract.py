@@ -12,6 +12,7 @@ prepared lengths alone, so a killed run resumes at the first shard missing from 
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import time
@@ -128,6 +129,11 @@ def store_facts(cfg, folder: Path, model_cfg, tok, stats: dict, aux: list[int], 
     }
 
 
+def ranks() -> tuple[int, int]:
+    """(rank, world size) under torchrun / accelerate launch; (0, 1) in one process."""
+    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+
+
 def run(cfg) -> Path:
     check(cfg)
     ex = cfg.extract
@@ -139,13 +145,18 @@ def run(cfg) -> Path:
         raise UserError(f"prepared data in {cfg.run_dir}/prepared was tokenized for another target "
                         f"({stats['target_path']}); rerun stage=prepare or use another run_dir")
     tok = targets.load_tokenizer(folder, cfg.target)
+    rank, world = ranks()
+    data_parallel = world > 1 and backend(cfg) == "hf"  # sglang: the ranks are ONE tensor-parallel engine
     device, dtype = targets.pick_device_dtype(ex.device, ex.dtype)
+    if data_parallel:
+        device = _rank_device(device)
+        group = _process_group()
     lengths = np.array([len(x) for x in ds["input_ids"]], dtype=np.int64)
     facts = store_facts(cfg, folder, model_cfg, tok, stats, aux, dtype, len(lengths))
     if ex.repair:
         _drop_damaged(cfg)
     try:
-        manifest = _open_store(cfg, facts)
+        manifest = _open_store(cfg, facts, data_parallel)
     except fs.StoreError as e:
         raise UserError(f"{e}; use a new run_dir or pass extract.overwrite=true to replace it") from None
     shards = plan_shards(lengths, ex.shard_tokens)
@@ -153,6 +164,10 @@ def run(cfg) -> Path:
     todo = [s for s in shards if s.sample_start not in done]
     log.info("extract: %d samples, %d tokens, %d shards (%d already committed), aux layers %s, %s on %s",
              len(lengths), lengths.sum(), len(shards), len(shards) - len(todo), aux, facts["compute_dtype"], device)
+    if data_parallel:  # rank r takes the shards r, r+N, ... of those not yet committed, and commits its own
+        todo = todo[rank::world]
+        log.info("extract: data parallel, rank %d of %d: %d shard(s), %d tokens", rank, world, len(todo),
+                 sum(sum(s.lengths) for s in todo))
     if todo and backend(cfg) == "sglang":
         capture, rank = _sglang_capture(folder, aux, model_cfg, cfg.extract)
         _extract_shards(cfg, ds, todo, capture, facts, manifest, "cuda", model_cfg.hidden_size, len(aux),
@@ -165,9 +180,37 @@ def run(cfg) -> Path:
         capture = Capture(model, aux)
         _extract_shards(cfg, ds, todo, capture, facts, manifest, device, model_cfg.hidden_size, len(aux))
         capture.remove()
-    manifest["complete"] = True
-    fs.write_manifest(out_dir(cfg), manifest)
+    if data_parallel:
+        group.barrier()  # every rank's shards are committed
+        if rank != 0:
+            return out_dir(cfg)
+    with fs.manifest_lock(out_dir(cfg)):
+        manifest = fs.read_manifest(out_dir(cfg))
+        missing = len(shards) - len(manifest["shards"])
+        if missing:  # never marked complete with a hole (a rank that returned early would leave one)
+            raise RuntimeError(f"extract: {missing} planned shard(s) are not in the manifest at the end")
+        manifest["complete"] = True
+        fs.write_manifest(out_dir(cfg), manifest)
     return out_dir(cfg)
+
+
+def _rank_device(device: torch.device) -> torch.device:
+    """Data-parallel capture: one GPU per process (LOCAL_RANK); on CPU every rank shares the host."""
+    if device.type != "cuda":
+        return device
+    local = int(os.environ.get("LOCAL_RANK", 0))
+    torch.cuda.set_device(local)
+    return torch.device("cuda", local)
+
+
+def _process_group():
+    """The ranks of a data-parallel extract meet at two barriers (the store opened; every shard committed): a
+    gloo group, whatever the device, since nothing but the barriers crosses between ranks."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
+    return dist
 
 
 def _drop_damaged(cfg) -> None:
@@ -183,17 +226,29 @@ def _drop_damaged(cfg) -> None:
     log.warning("extract: repair: %d damaged chunk(s) in %d shard(s)%s", len(bad), len(names),
                 f": extracting {', '.join(names)} again" if names else "; nothing to redo")
     if names:
+        with fs.manifest_lock(out_dir(cfg)):
+            manifest = fs.read_manifest(out_dir(cfg))
+            manifest["shards"] = [s for s in manifest["shards"] if s["name"] not in names]
+            manifest["complete"] = False
+            fs.write_manifest(out_dir(cfg), manifest)
+
+
+def _open_store(cfg, facts: dict, data_parallel: bool = False) -> dict:
+    """Rank 0 opens (or resumes) the store, cleaning what a killed run left; the other ranks read its manifest
+    once it has (data parallel: after a barrier; SGLang's tensor-parallel ranks: by polling, they share no
+    group with eaglepipe)."""
+    rank, _ = ranks()
+    if rank == 0 or backend(cfg) != "sglang" and not data_parallel:
+        manifest = fs.open_for_writing(out_dir(cfg), facts, overwrite=cfg.extract.overwrite)
+        if data_parallel:
+            _process_group().barrier()
+        return manifest
+    if data_parallel:
+        _process_group().barrier()
         manifest = fs.read_manifest(out_dir(cfg))
-        manifest["shards"] = [s for s in manifest["shards"] if s["name"] not in names]
-        manifest["complete"] = False
-        fs.write_manifest(out_dir(cfg), manifest)
-
-
-def _open_store(cfg, facts: dict) -> dict:
-    """Rank 0 opens (or resumes) the store; other tensor-parallel ranks wait for its manifest and read it."""
-
-    if int(os.environ.get("RANK", 0)) == 0 or backend(cfg) != "sglang":
-        return fs.open_for_writing(out_dir(cfg), facts, overwrite=cfg.extract.overwrite)
+        if not manifest or manifest.get("facts") != json.loads(json.dumps(facts)):
+            raise UserError(f"rank {rank}: the feature store rank 0 opened was made from other inputs than this rank's")
+        return manifest
     for _ in range(600):
         manifest = fs.read_manifest(out_dir(cfg))
         if manifest and manifest.get("facts") == facts:
