@@ -30,6 +30,7 @@ def app(cfg: DictConfig) -> None:
 
     _job["started"] = True
     try:
+        _sweep_job_run_dir(cfg)
         log.debug("resolved config:\n%s", OmegaConf.to_yaml(cfg, resolve=True))
         run_stages(cfg)
     except UserError as e:
@@ -38,6 +39,20 @@ def app(cfg: DictConfig) -> None:
         if not hasattr(e, "full_key"):
             raise
         fail(f"the config does not resolve: {one_line(str(e))}")
+
+
+def _sweep_job_run_dir(cfg: DictConfig) -> None:
+    """In a multirun, job N's run dir is Hydra's job output dir, ${run_dir}/N (conf/hydra/default.yaml): sweep
+    points never share checkpoints or stage records, and a requeued job (same N) resumes in its own."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    if not HydraConfig.initialized() or HydraConfig.get().mode != RunMode.MULTIRUN:
+        return
+    job_dir = HydraConfig.get().runtime.output_dir
+    log.info("multirun job %s (%s): run_dir %s", HydraConfig.get().job.num,
+             HydraConfig.get().job.override_dirname or "no overrides", job_dir)
+    cfg.run_dir = job_dir
 
 
 def fail(message: str) -> None:

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import signal
 import time
 from collections import defaultdict
 from dataclasses import dataclass
@@ -281,6 +283,7 @@ def _loop(cfg, s: Session, plan: Plan, p: Progress) -> None:
     t, acc = cfg.train, s.accelerator
     metrics_file = s.root / "metrics.jsonl"
     window, t0, window_tokens = defaultdict(float), time.time(), 0
+    preemption = Preemption()
     # the bar is closed (its line ended) on an error too, so the one-line error starts a line of its own
     with tqdm(total=plan.total_steps, initial=p.step, disable=not acc.is_local_main_process, desc="train") as bar:
         while p.step < plan.total_steps and p.epoch < t.epochs:
@@ -311,14 +314,60 @@ def _loop(cfg, s: Session, plan: Plan, p: Progress) -> None:
                 if p.step % t.val_every_steps == 0 and p.step < plan.total_steps:
                     _log(acc, metrics_file, {"split": "val", **_validate(acc, s.model, cfg, plan.val_packs, s.fwd)}, p.step)
                     s.model.train()
-                if p.step % t.save_every_steps == 0 or p.step == plan.total_steps:
-                    _save(acc, s.root, {"optimizer_step": p.step, "epoch": p.epoch, "packs_done_in_epoch": p.packs_done,
-                                        "world_size": acc.num_processes, "grad_accum": t.grad_accum,
-                                        "seed": cfg.seed, "upstream": s.upstream}, t.keep_last)
+                saved = p.step % t.save_every_steps == 0 or p.step == plan.total_steps
+                if saved:
+                    _save(acc, s.root, _state(cfg, s, p), t.keep_last)
+                if preemption.due(acc):  # SLURM's warning: checkpoint here, then submitit requeues the job
+                    if not saved:
+                        _save(acc, s.root, _state(cfg, s, p), t.keep_last)
+                    log.warning("train: preemption signal: checkpoint at step %d written; the job is requeued and "
+                                "resumes from it (train.resume=auto)", p.step)
+                    preemption.hand_over()
                 if p.step >= plan.total_steps:
                     break
             if p.step < plan.total_steps:  # this epoch's share is done (the loader ran out)
                 p.epoch, p.packs_done = p.epoch + 1, 0
+
+
+def _state(cfg, s: Session, p: Progress) -> dict:
+    """What a checkpoint records beside accelerate's state: the global data position and what it was trained on."""
+    return {"optimizer_step": p.step, "epoch": p.epoch, "packs_done_in_epoch": p.packs_done,
+            "world_size": s.accelerator.num_processes, "grad_accum": cfg.train.grad_accum, "seed": cfg.seed,
+            "upstream": s.upstream}
+
+
+class Preemption:
+    """A job under submitit (hydra/launcher=slurm|local): SLURM's warning signal before a time limit or a
+    preemption (SIGUSR2, or SUBMITIT_PREEMPT_SIGNAL) only sets a flag here; the loop writes a checkpoint at the
+    next optimizer step and then hands the signal to submitit's own handler, which requeues the job (same
+    overrides, same run dir) and exits; the requeued job resumes from that checkpoint. Outside submitit
+    nothing is installed. On several ranks the flag is agreed on (a max over ranks) once per optimizer step."""
+
+    def __init__(self):
+        self.requested, self.previous = False, None
+        if "SUBMITIT_EXECUTOR" not in os.environ:
+            return
+        self.signum = getattr(signal, "SIG" + os.environ.get("SUBMITIT_PREEMPT_SIGNAL", "USR2").upper())
+        self.previous = signal.getsignal(self.signum)
+        signal.signal(self.signum, self._flag)
+
+    def _flag(self, signum, frame) -> None:
+        self.requested = True
+
+    def due(self, accelerator) -> bool:
+        if self.previous is None:
+            return False
+        if accelerator.num_processes == 1:
+            return self.requested
+        flag = torch.tensor([float(self.requested)], device=accelerator.device)
+        return float(accelerator.reduce(flag, reduction="sum")) > 0
+
+    def hand_over(self) -> None:
+        signal.signal(self.signum, self.previous)
+        if callable(self.previous):
+            self.previous(self.signum, None)  # submitit: checkpoint() -> requeue -> exit
+        else:  # SIG_DFL / SIG_IGN: nothing of submitit's to hand to; stop so a restart resumes
+            raise SystemExit(f"train: preemption signal {self.signum}: checkpoint written, stopping")
 
 
 def rank_share(packs: list, done: int, rank: int, world: int, grad_accum: int) -> list:

@@ -84,3 +84,21 @@ def test_the_repeat_check_sees_nested_and_enum_defaults():
     assert repeated_defaults({"defaults": ["base_train"], "lr": 3.0e-4, "epochs": 2, "resume": "auto",
                               "wandb": {"mode": "offline", "project": "mine"}}, schema) == \
         ["lr: 0.0003", "resume: 'auto'", "wandb.mode: 'offline'"]
+
+
+@pytest.mark.parametrize("launcher,target", [("slurm", "SlurmLauncher"), ("local", "LocalLauncher"),
+                                             ("submitit_local", "LocalLauncher")])
+def test_the_cluster_launchers_compose_onto_the_submitit_plugin(launcher, target):
+    """conf/hydra/launcher/{slurm,local}.yaml extend the plugin's own configs; a sweep job's dir is ${run_dir}/N."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=[f"hydra/launcher={launcher}", "run_dir=/r"],
+                      return_hydra_config=True)
+    assert cfg.hydra.launcher._target_.endswith(target)
+    assert cfg.hydra.launcher.timeout_min > 50  # a preemption signal is not counted as one of the allowed time-outs
+    assert cfg.hydra.sweep.dir == "/r"
+    if launcher == "slurm":
+        assert cfg.hydra.launcher.signal_delay_s >= 120 and cfg.hydra.launcher.gpus_per_node == 8
