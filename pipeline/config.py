@@ -26,6 +26,7 @@ class Stage(str, Enum):
     doctor = "doctor"  # an export against a server launch line
     parity = "parity"  # hf vs sglang capture of the same samples (GPU box with sglang)
     check_store = "check_store"  # `eaglepipe check-store`: every chunk of run_dir/features against its crc32c
+    plan = "plan"  # `eaglepipe plan`: training memory per GPU for target x pack x TTT x ranks x ddp|fsdp, computed
 
 
 class TargetSource(str, Enum):
@@ -234,6 +235,19 @@ class EvalConfig:
     endpoint_timeout_s: float = 300.0
 
 
+class Strategy(str, Enum):
+    ddp = "ddp"  # every rank holds the whole draft, optimizer and gradients
+    fsdp = "fsdp"  # FSDP2 full shard: parameters, gradients and optimizer split over the ranks
+
+
+@dataclass
+class PlanConfig:  # `eaglepipe plan` (pipeline/tools/plan.py); the shape comes from target, train, vocab
+    world_size: int = 8
+    strategy: Strategy = Strategy.ddp
+    gpu_memory_gib: float = 139.0  # an H200's usable memory
+    precision: str = "bf16"  # bf16 (autocast on GPU, as train runs there) | fp32 (CPU)
+
+
 @dataclass
 class Config:
     stage: Stage = Stage.all
@@ -249,6 +263,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     export: ExportConfig = field(default_factory=ExportConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    plan: PlanConfig = field(default_factory=PlanConfig)
     # the tools (verify, serve, doctor)
     export_dir: Optional[str] = None  # an export folder; null = run_dir/export/<engine>
     engine: Optional[str] = None  # sglang | vllm; null = the export's own (verify) or every exported engine

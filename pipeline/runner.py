@@ -25,7 +25,7 @@ log = logging.getLogger(__name__)
 
 ORDER = ["prepare", "extract", "vocab", "train", "export", "evaluate"]
 # read an export or a store; no fingerprints, never part of `all`
-TOOLS = ["verify", "serve", "doctor", "parity", "check_store"]
+TOOLS = ["verify", "serve", "doctor", "parity", "check_store", "plan"]
 
 
 # Stages with a multi-process implementation (torchrun / accelerate launch): extract (hf: data parallel; sglang:

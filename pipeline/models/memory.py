@@ -1,0 +1,153 @@
+"""Training memory of the EAGLE-3 draft per GPU, computed (issue #15 item 3), and a counter to check it against.
+
+`estimate(...)` adds up, per rank: parameters (fp32 master weights, as accelerate's bf16 mixed precision keeps
+them), gradients and AdamW's two moments of the trainable part; DDP's gradient buckets (a second copy of the
+gradients: accelerate's DDP default, gradient_as_bucket_view=False) or, under FSDP (full shard), 1/N of all of
+it plus the largest unit gathered unsharded; the batch; and the activations autograd keeps for the backward of
+every TTT step of speculators' Eagle3DraftModel with a Llama layer (sdpa, dense masks), term by term. The terms
+are what `LiveTensors` shows alive after the forward of the real draft on CPU (fp32, and bf16 autocast: the
+GPU's setting), and `tests/unit/test_memory.py` holds the two within a few percent at two shapes.
+
+`LiveTensors` is a TorchDispatchMode that counts the bytes of every storage created under it while it lives
+(a storage is freed when its last tensor is): a CPU stand-in for torch.cuda.max_memory_allocated.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+GIB = 2 ** 30
+
+
+@dataclass(frozen=True)
+class DraftShape:
+    tokens: int  # per pack (train.tokens_per_pack)
+    ttt_steps: int
+    hidden: int
+    intermediate: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    draft_vocab: int
+    n_aux: int = 3
+
+
+@dataclass(frozen=True)
+class DraftParams:
+    trainable: int  # fc, the decoder layer, the final norm
+    frozen: int  # target embedding, lm_head, verifier lm_head and norm (speculators freezes them)
+    largest_unit: int  # FSDP: the most parameters gathered at once (the embedding, or the decoder layer)
+    linear_trainable: int  # trainable weights that go through a matmul (autocast keeps a bf16 copy of each)
+
+
+def activation_terms(s: DraftShape, bf16: bool) -> dict[str, float]:
+    """Bytes autograd keeps after the forward, by term. bf16=True: under bf16 autocast (the GPU default), where
+    matmul inputs/outputs are bf16 and the residual stream, norms and softmaxes stay fp32; False: fp32 (CPU)."""
+    T, H, I, k = s.tokens, s.hidden, s.intermediate, s.ttt_steps
+    q = s.heads * s.head_dim
+    c = 2 if bf16 else 4  # matmul-side dtype
+    kv_len = T * k * (k + 1) // 2  # sum over steps of the keys each step attends to (j x T at step j)
+    terms = {
+        # every TTT step j = 1..k
+        "mlp (gate, up, silu, product) [T, I]": 4 * T * I * c * k,
+        "attention q, output [T, heads x head_dim]": 2 * T * q * c * k,
+        "attention K, V repeated to all heads [j T, heads x head_dim]": 2 * kv_len * q * c,
+        "attention mask [T, j T] (dense, sdpa)": T * kv_len * c,
+        "draft/target log-probs [T, draft vocab] fp32": 2 * T * s.draft_vocab * 4 * k,
+        "rope cos/sin [T, head_dim] fp32 (2 per step)": 2 * T * s.head_dim * 4 * k,
+    }
+    if bf16:
+        terms["residual stream, norms, halves [T, H] fp32 (8 per step)"] = 8 * T * H * 4 * k
+        terms["bf16 casts of layer inputs [T, 2H] x3 + [T, H] x2"] = 8 * T * H * c * k
+        terms["lm_head weight cast per step (frozen: not cached)"] = s.draft_vocab * H * c * k
+        terms["fc input cast [T, n_aux H]"] = T * s.n_aux * H * c
+    else:
+        terms["residual stream, norms, concatenations [T, H] (11 per step)"] = 11 * T * H * 4 * k
+    return terms
+
+
+def estimate(s: DraftShape, p: DraftParams, world_size: int = 1, strategy: str = "ddp", bf16: bool = True) -> dict:
+    """Per-rank bytes by part, and the peak (everything at once: the forward's activations, then the
+    gradients written while they are released, so their sum bounds the backward)."""
+    if strategy not in ("ddp", "fsdp"):
+        raise ValueError(f"strategy {strategy!r}: ddp or fsdp")
+    shard = world_size if strategy == "fsdp" else 1
+    parts = {
+        "frozen parameters (fp32)": 4 * p.frozen / shard,
+        "trainable parameters (fp32)": 4 * p.trainable / shard,
+        "gradients (fp32)": 4 * p.trainable / shard,
+        "AdamW moments (fp32 x 2)": 8 * p.trainable / shard,
+    }
+    if strategy == "ddp" and world_size > 1:
+        parts["DDP gradient buckets (fp32)"] = 4 * p.trainable
+    if strategy == "fsdp" and world_size > 1:
+        parts["FSDP largest unit gathered (bf16) + its unsharded gradients (fp32)"] = \
+            2 * p.largest_unit + 4 * min(p.largest_unit, p.trainable)
+    if bf16:
+        parts["autocast bf16 copies of trainable weights"] = 2 * p.linear_trainable
+    parts["batch (hidden states bf16 + ids, masks)"] = s.tokens * ((s.n_aux + 1) * s.hidden * 2 + 4 * 8)
+    acts = activation_terms(s, bf16)
+    parts["activations (TTT forward, kept for backward)"] = sum(acts.values())
+    parts[LOSS_BACKWARD] = loss_backward_bytes(s)
+    # the loss's backward runs first, on top of every activation, before any gradient of a weight exists: the peak
+    # holds the larger of the two, not both
+    peak = sum(parts.values()) - min(parts[LOSS_BACKWARD], parts["gradients (fp32)"])
+    return {"parts": parts, "activation_terms": acts, "peak": peak,
+            "world_size": world_size, "strategy": strategy, "bf16": bf16}
+
+
+LOSS_BACKWARD = "loss backward working set [T, draft vocab] fp32 x7 (not with the gradients)"
+
+
+def loss_backward_bytes(s: DraftShape) -> int:
+    """The KL loss's backward over the draft vocabulary of the last TTT step: about seven [T, Vd] fp32 temporaries
+    (gradients of the log-probs, xlogy, the products), alive at the start of the backward (measured: the peak)."""
+    return 7 * s.tokens * s.draft_vocab * 4
+
+
+def draft_params(model) -> DraftParams:
+    """Counts from a built draft (the meta device is enough: only shapes and requires_grad are read)."""
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
+    units = [sum(p.numel() for p in layer.parameters()) for layer in model.layers]
+    units.append(model.embed_tokens.weight.numel())
+    linear = sum(m.weight.numel() for m in model.modules()
+                 if isinstance(m, torch.nn.Linear) and m.weight.requires_grad)
+    return DraftParams(trainable, frozen, max(units), linear)
+
+
+class LiveTensors(TorchDispatchMode):
+    """Bytes of storages created under this mode and still alive: `now`, and the highest it reached, `peak`.
+    `existing` tensors (parameters, the batch) are not counted, nor are views of them made under the mode."""
+
+    def __init__(self, existing=()):
+        super().__init__()
+        self.live: dict[int, int] = {}
+        self.ignored = {t.untyped_storage()._cdata for t in existing}
+        self.now = self.peak = 0
+
+    def _count(self, t) -> None:
+        if not isinstance(t, torch.Tensor) or t.device.type == "meta":
+            return
+        storage = t.untyped_storage()
+        key = storage._cdata
+        if key in self.live or key in self.ignored:
+            return
+        self.live[key] = storage.nbytes()
+        self.now += self.live[key]
+        self.peak = max(self.peak, self.now)
+        weakref.finalize(storage, self._free, key)
+
+    def _free(self, key: int) -> None:
+        self.now -= self.live.pop(key, 0)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            self._count(t)
+        return out

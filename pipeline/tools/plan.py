@@ -1,0 +1,77 @@
+"""`eaglepipe plan`: the draft's training memory per GPU, computed before anything is bought or queued.
+
+    eaglepipe plan target=kimi_k25 train.tokens_per_pack=8192 train.ttt_steps=7 plan.world_size=8 plan.strategy=fsdp
+
+The draft is built on the meta device at the target's declared shape (conf/target/*.yaml; no weights, no memory)
+for its parameter counts; pipeline/models/memory.py adds up parameters, gradients, AdamW, DDP buckets or FSDP
+shards, the batch and the TTT activations (docs/scale.md: what each term is and how it was checked). Prints a
+table per part, the peak, and whether it fits `plan.gpu_memory_gib`; writes nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+
+from rich.console import Console
+from rich.table import Table
+
+from pipeline.errors import UserError
+from pipeline.models import draft, memory
+
+log = logging.getLogger(__name__)
+
+
+def shape_of(cfg) -> memory.DraftShape:
+    t = cfg.target
+    missing = [k for k in ("num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size")
+               if t.get(k) is None]
+    if missing:
+        raise UserError(f"plan: target {t.name} declares no {', '.join(missing)}; add the "
+                        "target's layer shape to its conf/target/*.yaml (as kimi_k25.yaml does)")
+    if str(getattr(cfg.train.draft_arch, "value", cfg.train.draft_arch)) != "llama":
+        raise UserError("plan: the memory model covers the Llama draft layer (train.draft_arch=llama) only")
+    return memory.DraftShape(tokens=cfg.train.tokens_per_pack, ttt_steps=cfg.train.ttt_steps, hidden=t.hidden_size,
+                             intermediate=t.intermediate_size, heads=t.num_attention_heads,
+                             kv_heads=t.num_key_value_heads, head_dim=t.head_dim,
+                             draft_vocab=min(cfg.vocab.draft_vocab_size, t.vocab_size))
+
+
+def compute(cfg) -> dict:
+    p = cfg.plan
+    if p.world_size < 1:
+        raise UserError(f"plan.world_size={p.world_size} must be >= 1")
+    if p.precision not in ("bf16", "fp32"):
+        raise UserError(f"plan.precision={p.precision!r}: bf16 (GPU) or fp32 (CPU)")
+    shape = shape_of(cfg)
+    from pipeline.stages.extract import aux_layer_ids  # the one home of the default aux-layer rule
+
+    aux = aux_layer_ids(cfg.extract.aux_layers, cfg.target.num_layers)
+    model = draft.build_on_meta(cfg.target, shape.draft_vocab, aux, shape.ttt_steps)
+    params = memory.draft_params(model)
+    strategy = str(getattr(p.strategy, "value", p.strategy))
+    est = memory.estimate(shape, params, p.world_size, strategy, bf16=p.precision == "bf16")
+    est.update(target=cfg.target.name, shape=shape.__dict__, params=params.__dict__, aux_layer_ids=aux,
+               gpu_memory_gib=p.gpu_memory_gib, fits=est["peak"] <= p.gpu_memory_gib * memory.GIB)
+    return est
+
+
+def run(cfg) -> None:
+    est = compute(cfg)
+    s, gib = est["shape"], memory.GIB
+    table = Table(title=f"eaglepipe plan: {est['target']} draft, {s['tokens']:,}-token packs, TTT {s['ttt_steps']}, "
+                        f"{est['world_size']} x {est['strategy'].upper()}, {'bf16 autocast' if est['bf16'] else 'fp32'}"
+                        " (computed, per GPU)")
+    table.add_column("part")
+    table.add_column("GiB", justify="right")
+    for name, value in est["parts"].items():
+        table.add_row(name, f"{value / gib:.2f}")
+    for name, value in est["activation_terms"].items():
+        table.add_row(f"  {name}", f"{value / gib:.2f}", style="dim")
+    table.add_row("peak (upper bound)", f"{est['peak'] / gib:.2f}", style="bold")
+    Console(width=140).print(table)
+    p = est["params"]
+    verdict = "fits" if est["fits"] else "does NOT fit"
+    print(f"draft: {p['trainable']:,} trainable + {p['frozen']:,} frozen parameters (aux layers "
+          f"{est['aux_layer_ids']}); {verdict} in {est['gpu_memory_gib']:g} GiB")
+    print("json: " + json.dumps({k: est[k] for k in ("target", "world_size", "strategy", "bf16", "peak", "fits")}))
