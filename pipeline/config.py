@@ -147,6 +147,11 @@ class DraftArch(str, Enum):  # the draft layer's layout: pipeline/formats/export
     mla = "mla"  # DeepSeek-V2 multi-latent attention with the target's MLA shapes, SGLang Eagle3DeepseekV2ForCausalLM
 
 
+class Strategy(str, Enum):  # how several ranks hold the draft (docs/scale.md)
+    ddp = "ddp"  # every rank holds the whole draft, optimizer and gradients (accelerate's DDP)
+    fsdp = "fsdp"  # FSDP2 full shard: parameters, gradients and optimizer split over the ranks (pipeline/models/fsdp.py)
+
+
 class Resume(str, Enum):
     auto = "auto"  # continue from the newest complete checkpoint under train/
     never = "never"  # start fresh: deletes every earlier checkpoint and final/ (so none is resumed later)
@@ -162,6 +167,7 @@ class WandbConfig:
 @dataclass
 class TrainConfig:
     draft_arch: DraftArch = DraftArch.llama  # mla: an MLA target's (Kimi-K2.x, DeepSeek-V3) latent-cache draft
+    strategy: Strategy = Strategy.ddp  # on several ranks: ddp | fsdp (needs >= 2 ranks)
     ttt_steps: int = 3  # test-time-training unroll: draft positions trained per token
     ttt_step_loss_decay: float = 1.0
     loss: str = "kl_div"  # speculators loss spec (eager implementation)
@@ -235,15 +241,9 @@ class EvalConfig:
     endpoint_timeout_s: float = 300.0
 
 
-class Strategy(str, Enum):
-    ddp = "ddp"  # every rank holds the whole draft, optimizer and gradients
-    fsdp = "fsdp"  # FSDP2 full shard: parameters, gradients and optimizer split over the ranks
-
-
 @dataclass
 class PlanConfig:  # `eaglepipe plan` (pipeline/tools/plan.py); the shape comes from target, train, vocab
-    world_size: int = 8
-    strategy: Strategy = Strategy.ddp
+    world_size: int = 8  # ranks; DDP or FSDP is train.strategy
     gpu_memory_gib: float = 139.0  # an H200's usable memory
     precision: str = "bf16"  # bf16 (autocast on GPU, as train runs there) | fp32 (CPU)
 

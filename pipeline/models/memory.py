@@ -43,6 +43,7 @@ class DraftParams:
     frozen: int  # target embedding, lm_head, verifier lm_head and norm (speculators freezes them)
     largest_unit: int  # FSDP: the most parameters gathered at once (the embedding, or the decoder layer)
     linear_trainable: int  # trainable weights that go through a matmul (autocast keeps a bf16 copy of each)
+    largest_trainable_unit: int = 0  # FSDP: the most gradients held unsharded at once (the decoder layer)
 
 
 def activation_terms(s: DraftShape, bf16: bool) -> dict[str, float]:
@@ -86,8 +87,8 @@ def estimate(s: DraftShape, p: DraftParams, world_size: int = 1, strategy: str =
     if strategy == "ddp" and world_size > 1:
         parts["DDP gradient buckets (fp32)"] = 4 * p.trainable
     if strategy == "fsdp" and world_size > 1:
-        parts["FSDP largest unit gathered (bf16) + its unsharded gradients (fp32)"] = \
-            2 * p.largest_unit + 4 * min(p.largest_unit, p.trainable)
+        parts["FSDP largest unit gathered + its unsharded gradients (fp32)"] = \
+            4 * p.largest_unit + 4 * p.largest_trainable_unit
     if bf16:
         parts["autocast bf16 copies of trainable weights"] = 2 * p.linear_trainable
     parts["batch (hidden states bf16 + ids, masks)"] = s.tokens * ((s.n_aux + 1) * s.hidden * 2 + 4 * 8)
@@ -114,11 +115,12 @@ def draft_params(model) -> DraftParams:
     """Counts from a built draft (the meta device is enough: only shapes and requires_grad are read)."""
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
-    units = [sum(p.numel() for p in layer.parameters()) for layer in model.layers]
-    units.append(model.embed_tokens.weight.numel())
+    units = [*model.layers, model.fc, model.embed_tokens, model.lm_head, model.verifier_lm_head]  # fsdp.shard's
+    sizes = [sum(p.numel() for p in u.parameters()) for u in units]
+    trainable_sizes = [sum(p.numel() for p in u.parameters() if p.requires_grad) for u in units]
     linear = sum(m.weight.numel() for m in model.modules()
                  if isinstance(m, torch.nn.Linear) and m.weight.requires_grad)
-    return DraftParams(trainable, frozen, max(units), linear)
+    return DraftParams(trainable, frozen, max(sizes), linear, max(trainable_sizes))
 
 
 class LiveTensors(TorchDispatchMode):

@@ -22,7 +22,7 @@ from omegaconf import OmegaConf
 from tqdm import tqdm
 
 from pipeline import __version__
-from pipeline.config import Resume
+from pipeline.config import Resume, Strategy
 from pipeline.data.features_dataset import (
     STORE_ERROR,
     PackDataset,
@@ -35,7 +35,7 @@ from pipeline.errors import UserError
 from pipeline.fingerprint import digest, shaping
 from pipeline.formats import checkpoint, vocab_map
 from pipeline.formats import feature_store as fs
-from pipeline.models import draft, targets
+from pipeline.models import draft, fsdp, targets
 from pipeline.run_dir import RunDir
 
 log = logging.getLogger(__name__)
@@ -82,11 +82,12 @@ def fingerprint(cfg) -> str:
 
 
 def _shaping(t, leave_out: tuple[str, ...]) -> dict:
-    """The train section as fingerprinted: the default Llama draft leaves out draft_arch, so runs trained before
-    the knob existed keep their stage fingerprints (not skipped into retraining)."""
+    """The train section as fingerprinted: the default Llama draft leaves out draft_arch, and DDP leaves out
+    strategy, so runs trained before those knobs existed keep their stage fingerprints (not retrained)."""
     data = shaping(t, leave_out)
-    if data.get("draft_arch") == "llama":
-        data.pop("draft_arch")
+    for key, default in (("draft_arch", "llama"), ("strategy", "ddp")):  # knobs added later, at their defaults
+        if data.get(key) == default:
+            data.pop(key)
     return data
 
 
@@ -144,6 +145,7 @@ class Session:
     store: fs.FeatureStore
     root: Path
     upstream: dict  # what the weights depend on; a checkpoint of other upstream is refused
+    sharded: bool = False  # train.strategy=fsdp: the model is FSDP2-sharded (pipeline/models/fsdp.py), not prepared
 
 
 @dataclass
@@ -205,6 +207,16 @@ def _setup(cfg) -> tuple[Session, Plan]:
     plan = _plan(cfg, store, accelerator.process_index, accelerator.num_processes)
     model = draft.build(folder, target_hf, store.aux_layer_ids, d2t, t2d, t.ttt_steps, t.attn_implementation,
                         arch=t.draft_arch.value)
+    sharded = t.strategy == Strategy.fsdp
+    if str(accelerator.distributed_type).endswith("FSDP"):
+        raise UserError("accelerate's own FSDP plugin is on (accelerate config / ACCELERATE_USE_FSDP): eaglepipe shards "
+                        "the draft itself; launch with conf/accelerate/fsdp.yaml and train.strategy=fsdp")
+    if sharded:
+        if accelerator.num_processes < 2:
+            raise UserError("train.strategy=fsdp shards the draft over several ranks; this run has one: launch it "
+                            "with `accelerate launch --num_processes N` or `torchrun --nproc-per-node N` (N >= 2), "
+                            "or use train.strategy=ddp")
+        model = fsdp.shard(model, accelerator.device)  # before the optimizer: it holds the sharded parameters
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=t.lr, weight_decay=t.weight_decay, betas=(0.9, 0.95))
     scheduler = get_scheduler(t.schedule, optimizer, num_warmup_steps=t.warmup_steps,
@@ -212,8 +224,11 @@ def _setup(cfg) -> tuple[Session, Plan]:
     # The scheduler is NOT prepared: accelerate's wrapper steps it once per rank per optimizer step (it assumes the
     # per-rank batch was scaled up), so on 2 ranks the warmup and cosine ran at twice the speed. Stepped once per
     # optimizer step here, it counts optimizer steps on any number of ranks, and a checkpoint resumes elastically.
-    model, optimizer = accelerator.prepare(model, optimizer)
-    accelerator.register_for_checkpointing(scheduler)
+    if sharded:  # accelerate cannot wrap or save an FSDP2 model on CPU: it keeps the optimizer and accumulation
+        optimizer = accelerator.prepare(optimizer)
+    else:
+        model, optimizer = accelerator.prepare(model, optimizer)
+        accelerator.register_for_checkpointing(scheduler)
     fwd = dict(ttt_steps=t.ttt_steps, ttt_step_loss_decay=t.ttt_step_loss_decay,
                loss_config=resolve_loss_config(t.loss, "eager"))
     root = out_dir(cfg)
@@ -227,7 +242,9 @@ def _setup(cfg) -> tuple[Session, Plan]:
                  len(plan.train_idx), len(plan.val_idx), len(plan.epochs[0]) // accelerator.num_processes, t.tokens_per_pack,
                  accelerator.num_processes, plan.total_steps, store.aux_layer_ids, len(d2t),
                  sum(p.numel() for p in trainable))
-    return Session(accelerator, model, optimizer, scheduler, trainable, fwd, store, root, upstream), plan
+        if sharded:
+            log.info("train: FSDP2, every parameter sharded over %d ranks", accelerator.num_processes)
+    return Session(accelerator, model, optimizer, scheduler, trainable, fwd, store, root, upstream, sharded), plan
 
 
 def _resume_or_clear(cfg, s: Session) -> Progress:
@@ -241,7 +258,7 @@ def _resume_or_clear(cfg, s: Session) -> Progress:
         if state["upstream"] != s.upstream or state["seed"] != cfg.seed:  # read before load_state touches the model
             raise UserError(refuse)
         try:
-            s.accelerator.load_state(str(found[0]))
+            _load(s, found[0])
         except RuntimeError as e:  # same recorded upstream, other shapes (e.g. a vocab of another size)
             if "size mismatch" not in str(e):
                 raise
@@ -316,10 +333,10 @@ def _loop(cfg, s: Session, plan: Plan, p: Progress) -> None:
                     s.model.train()
                 saved = p.step % t.save_every_steps == 0 or p.step == plan.total_steps
                 if saved:
-                    _save(acc, s.root, _state(cfg, s, p), t.keep_last)
+                    _save(s, _state(cfg, s, p), t.keep_last)
                 if preemption.due(acc):  # SLURM's warning: checkpoint here, then submitit requeues the job
                     if not saved:
-                        _save(acc, s.root, _state(cfg, s, p), t.keep_last)
+                        _save(s, _state(cfg, s, p), t.keep_last)
                     log.warning("train: preemption signal: checkpoint at step %d written; the job is requeued and "
                                 "resumes from it (train.resume=auto)", p.step)
                     preemption.hand_over()
@@ -383,7 +400,7 @@ def _micro_step(t, s: Session, batch: dict) -> dict:
     Returns the draft's metric sums (tensors on the device)."""
     acc = s.accelerator
     batch = {k: v.to(acc.device, non_blocking=True) for k, v in batch.items()}
-    with acc.accumulate(s.model):
+    with acc.accumulate(s.model), _autocast(s):
         _, loss, metrics = s.model(**_cast(batch, acc), **s.fwd)
         acc.backward(loss)
         if acc.sync_gradients and t.max_grad_norm:
@@ -415,6 +432,7 @@ def _summarise(sums: dict, ttt_steps: int, prefix: str = "") -> dict:
 
 @torch.no_grad()
 def _validate(accelerator, model, cfg, packs: list, fwd: dict) -> dict:
+    """Every rank its own packs (as many on each: under FSDP every forward is a collective)."""
     model.eval()
     sums = defaultdict(float)
     store = RunDir.of(cfg).open_features()
@@ -422,7 +440,8 @@ def _validate(accelerator, model, cfg, packs: list, fwd: dict) -> dict:
     for pack in packs:
         batch = {k: v.to(accelerator.device)
                  for k, v in collate(store, pack, cfg.train.tokens_per_pack, cfg.train.pad_packs).items()}
-        _, _, m = model(**_cast(batch, accelerator), **fwd)
+        with accelerator.autocast():  # a prepared (DDP) model autocasts itself; an FSDP one does not
+            _, _, m = model(**_cast(batch, accelerator), **fwd)
         for k, v in m.items():
             sums[k] += float(v)
     keys = sorted(sums)
@@ -441,22 +460,53 @@ def _log(accelerator, path: Path, rec: dict, step: int) -> None:
     accelerator.log({prefix + k: v for k, v in rec.items() if isinstance(v, (int, float))}, step=step)
 
 
-def _save(accelerator, root: Path, state: dict, keep_last: int) -> None:
+def _save(s: Session, state: dict, keep_last: int) -> None:
+    accelerator, root = s.accelerator, s.root
     accelerator.wait_for_everyone()
     tmp = checkpoint.begin(root, state["optimizer_step"]) if accelerator.is_main_process else None
     accelerator.wait_for_everyone()
-    accelerator.save_state(str(checkpoint.step_dir(root, state["optimizer_step"]).with_suffix(".tmp")))
+    folder = checkpoint.step_dir(root, state["optimizer_step"]).with_suffix(".tmp")
+    if s.sharded:  # every rank its shards; the scheduler once
+        fsdp.save(folder, s.model, s.optimizer)
+        if accelerator.is_main_process:
+            torch.save(s.scheduler.state_dict(), folder / SCHEDULER)
+    else:
+        accelerator.save_state(str(folder))
+    accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         checkpoint.finish(root, tmp, state, keep_last)
     accelerator.wait_for_everyone()
 
 
+SCHEDULER = "scheduler.pt"  # train.strategy=fsdp: the LR scheduler beside the DCP shards
+
+
+def _load(s: Session, folder: Path) -> None:
+    if not s.sharded:
+        s.accelerator.load_state(str(folder))
+        return
+    if not fsdp.is_checkpoint(folder):
+        raise UserError(f"checkpoint {folder} is not an FSDP checkpoint (no {fsdp.DCP_DIR}/); resume it with the "
+                        "strategy that wrote it, or train.resume=never")
+    fsdp.load(folder, s.model, s.optimizer)
+    s.scheduler.load_state_dict(torch.load(folder / SCHEDULER, weights_only=True))
+
+
+def _autocast(s: Session):
+    """A prepared (DDP) model autocasts in its own forward; the FSDP2 one runs under accelerate's autocast here."""
+    import contextlib
+
+    return s.accelerator.autocast() if s.sharded else contextlib.nullcontext()
+
+
 def _finish(accelerator, model, cfg, root: Path, step: int, final_val: dict, upstream: dict, plan: Plan) -> None:
     accelerator.wait_for_everyone()
+    sharded = cfg.train.strategy == Strategy.fsdp
+    full = fsdp.full_state_dict(model) if sharded else None  # a collective: every rank gathers, rank 0 keeps it
     if not accelerator.is_main_process:
         return
     final = root / "final"
-    accelerator.unwrap_model(model).save_pretrained(str(final))
+    accelerator.unwrap_model(model).save_pretrained(str(final), **({"state_dict": full} if sharded else {}))
     rows = [json.loads(line) for line in (root / "metrics.jsonl").read_text().splitlines()]
     first_val = next(r for r in rows if r["split"] == "val")
     summary = {"produced_by": f"eaglepipe {__version__}", "optimizer_steps": step, "upstream": upstream,
@@ -464,6 +514,7 @@ def _finish(accelerator, model, cfg, root: Path, step: int, final_val: dict, ups
                "val_samples": [int(i) for i in plan.val_idx],  # held out by sample; evaluate prompts from these
                "split_by_tokens_per_pack": plan.split, "throughput": _throughput(rows),
                "world_size": accelerator.num_processes, "grad_accum": cfg.train.grad_accum,
+               "strategy": str(getattr(cfg.train.strategy, "value", cfg.train.strategy)),
                "config": OmegaConf.to_container(cfg, resolve=True)}
     (final / "train_summary.json").write_text(json.dumps(summary, indent=1, default=str))
     _plot(rows, root / "plots", cfg.train.ttt_steps)

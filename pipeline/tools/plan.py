@@ -1,6 +1,6 @@
 """`eaglepipe plan`: the draft's training memory per GPU, computed before anything is bought or queued.
 
-    eaglepipe plan target=kimi_k25 train.tokens_per_pack=8192 train.ttt_steps=7 plan.world_size=8 plan.strategy=fsdp
+    eaglepipe plan target=kimi_k25 train.tokens_per_pack=8192 train.ttt_steps=7 plan.world_size=8 train.strategy=fsdp
 
 The draft is built on the meta device at the target's declared shape (conf/target/*.yaml; no weights, no memory)
 for its parameter counts; pipeline/models/memory.py adds up parameters, gradients, AdamW, DDP buckets or FSDP
@@ -49,7 +49,7 @@ def compute(cfg) -> dict:
     aux = aux_layer_ids(cfg.extract.aux_layers, cfg.target.num_layers)
     model = draft.build_on_meta(cfg.target, shape.draft_vocab, aux, shape.ttt_steps)
     params = memory.draft_params(model)
-    strategy = str(getattr(p.strategy, "value", p.strategy))
+    strategy = str(getattr(cfg.train.strategy, "value", cfg.train.strategy))
     est = memory.estimate(shape, params, p.world_size, strategy, bf16=p.precision == "bf16")
     est.update(target=cfg.target.name, shape=shape.__dict__, params=params.__dict__, aux_layer_ids=aux,
                gpu_memory_gib=p.gpu_memory_gib, fits=est["peak"] <= p.gpu_memory_gib * memory.GIB)

@@ -81,7 +81,7 @@ def main() -> None:
             for world, strategy in ((1, "ddp"), (8, "ddp"), (8, "fsdp")):
                 cfg = compose(config_name="config", overrides=[
                     f"target={target}", f"train.tokens_per_pack={tokens}", f"train.ttt_steps={ttt}",
-                    f"vocab.draft_vocab_size={vocab}", f"plan.world_size={world}", f"plan.strategy={strategy}",
+                    f"vocab.draft_vocab_size={vocab}", f"plan.world_size={world}", f"train.strategy={strategy}",
                     "run_dir=/tmp/unused", "cache_dir=/tmp/unused"])
                 est = plan.compute(cfg)
                 row = {"target": target, "tokens_per_pack": tokens, "ttt_steps": ttt, "draft_vocab": vocab,

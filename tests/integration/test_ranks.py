@@ -3,9 +3,12 @@
 pack per step equal 1 rank x grad_accum 2 on the same packs; a checkpoint resumes on the other number of ranks
 over exactly the packs not yet trained (its data position is global), ending at the same weights.
 
+FSDP (train.strategy=fsdp: FSDP2 full shard, DCP checkpoints) trains to DDP's weights and resumes exactly.
+
 One store (tiny); every run is its own process on its own run dir with that store copied in:
   A: 2 ranks, grad_accum 1    C: 1 rank, grad_accum 2     (uninterrupted, checkpoints every 2 steps)
-  B: A's step-4 checkpoint resumed on 1 rank, grad_accum 2    D: C's step-4 checkpoint resumed on 2 ranks."""
+  B: A's step-4 checkpoint resumed on 1 rank, grad_accum 2    D: C's step-4 checkpoint resumed on 2 ranks
+  E: as A under FSDP          F: E's step-4 checkpoint resumed under FSDP."""
 
 import json
 import shutil
@@ -24,10 +27,10 @@ COMMON = ["+experiment=tiny", "data.limit=40", "train.max_steps=8", "train.save_
           "train.val_every_steps=1000", "train.device=cpu", "eval.num_prompts=2"]
 
 
-def _train(run_dir: Path, cache_dir: str, ranks: int, grad_accum: int) -> subprocess.CompletedProcess:
+def _train(run_dir: Path, cache_dir: str, ranks: int, grad_accum: int, *extra: str) -> subprocess.CompletedProcess:
     accelerate = str(Path(sys.executable).parent / "accelerate")  # the CLI users type (its `launch` subcommand)
     head = [accelerate, "launch", "--cpu", "--num_processes", str(ranks), "-m"] if ranks > 1 else [sys.executable, "-m"]
-    cmd = head + ["pipeline", *COMMON, f"train.grad_accum={grad_accum}", "stage=train",
+    cmd = head + ["pipeline", *COMMON, *extra, f"train.grad_accum={grad_accum}", "stage=train",
                   f"run_dir={run_dir}", f"cache_dir={cache_dir}"]
     r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -62,7 +65,11 @@ def runs(make_cfg, tmp_path_factory, cache_dir):
     logs = {"A": _train(a, cache_dir, 2, 1), "C": _train(c, cache_dir, 1, 2)}
     b, d = _copy_inputs(a, root / "B", "step_000004"), _copy_inputs(c, root / "D", "step_000004")
     logs["B"], logs["D"] = _train(b, cache_dir, 1, 2), _train(d, cache_dir, 2, 1)
-    return {"A": a, "B": b, "C": c, "D": d, "logs": logs}
+    e = _copy_inputs(store, root / "E")
+    logs["E"] = _train(e, cache_dir, 2, 1, "train.strategy=fsdp")
+    f = _copy_inputs(e, root / "F", "step_000004")
+    logs["F"] = _train(f, cache_dir, 2, 1, "train.strategy=fsdp")
+    return {"A": a, "B": b, "C": c, "D": d, "E": e, "F": f, "store": store, "logs": logs}
 
 
 def test_accelerate_launch_cpu_with_two_processes_trains_on_two_ranks(runs):
@@ -83,3 +90,34 @@ def test_a_checkpoint_of_two_ranks_resumes_on_one_and_of_one_on_two(runs):
         state = json.loads((runs[straight] / "train" / "step_000004" / "train_state.json").read_text())
         assert state["world_size"] == was and state["packs_done_in_epoch"] == 8  # 4 steps x 2 packs, a global position
         assert _close(_final(runs[resumed]), _final(runs[straight])) <= 1e-5, (resumed, straight)
+
+
+def test_fsdp_trains_to_the_ddp_weights_and_writes_the_same_final_checkpoint(runs):
+    assert "FSDP2, every parameter sharded over 2 ranks" in runs["logs"]["E"].stderr + runs["logs"]["E"].stdout
+    assert (runs["E"] / "train" / "step_000004" / "dcp" / ".metadata").is_file()  # sharded, not accelerate's state
+    summary = json.loads((runs["E"] / "train" / "final" / "train_summary.json").read_text())
+    assert summary["strategy"] == "fsdp" and summary["world_size"] == 2
+    ddp, sharded = _final(runs["A"]), _final(runs["E"])
+    assert {k: (v.dtype, v.shape) for k, v in ddp.items()} == {k: (v.dtype, v.shape) for k, v in sharded.items()}
+    assert _close(ddp, sharded) <= 1e-5  # the same serving checkpoint: export reads train/final/ alone
+
+
+def test_an_fsdp_checkpoint_resumes_exactly(runs):
+    log = runs["logs"]["F"].stdout + runs["logs"]["F"].stderr
+    assert "train: resumed from" in log and "step_000004 (step 4" in log, log[-2000:]
+    assert _close(_final(runs["F"]), _final(runs["E"])) == 0.0
+
+
+def test_fsdp_on_one_rank_and_a_ddp_checkpoint_under_fsdp_are_refused_in_one_line(runs, make_cfg, tmp_path,
+                                                                                    cache_dir):
+    from pipeline.errors import UserError
+
+    one = _copy_inputs(runs["store"], tmp_path / "one")
+    with pytest.raises(UserError, match="train.strategy=fsdp shards the draft over several ranks; this run has one"):
+        run_stages(make_cfg(*COMMON, "train.strategy=fsdp", "stage=train", run_dir=one))
+    ddp_ckpt = _copy_inputs(runs["store"], tmp_path / "ddp", None)
+    shutil.copytree(runs["A"] / "train" / "step_000004", ddp_ckpt / "train" / "step_000004")
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m",
+                        "pipeline", *COMMON, "train.strategy=fsdp", "stage=train", f"run_dir={ddp_ckpt}",
+                        f"cache_dir={cache_dir}"], cwd=ROOT, capture_output=True, text=True)
+    assert r.returncode != 0 and "was trained on other inputs or another train config" in r.stderr, r.stderr[-2000:]

@@ -43,7 +43,7 @@ def test_run_dir_is_stable_and_named_after_the_inputs(make_cfg):
     assert make_cfg().run_dir == "runs/smollm2-135m-instruct-chitchat"
 
 
-GROUPS = sorted(p.name for p in CONF.iterdir() if p.is_dir() and p.name not in ("experiment", "hydra", "local"))
+GROUPS = sorted(p.name for p in CONF.iterdir() if p.is_dir() and p.name not in ("experiment", "hydra", "local", "accelerate"))  # accelerate: launcher files, not Hydra
 
 
 def repeated_defaults(yaml_node: dict, schema: dict, prefix: str = "") -> list[str]:
@@ -102,3 +102,13 @@ def test_the_cluster_launchers_compose_onto_the_submitit_plugin(launcher, target
     assert cfg.hydra.sweep.dir == "/r"
     if launcher == "slurm":
         assert cfg.hydra.launcher.signal_delay_s >= 120 and cfg.hydra.launcher.gpus_per_node == 8
+
+
+@pytest.mark.parametrize("name", ["ddp", "fsdp"])
+def test_the_accelerate_configs_launch_bf16_gpu_ranks_without_accelerates_own_fsdp(name):
+    import yaml
+
+    cfg = yaml.safe_load((CONF / "accelerate" / f"{name}.yaml").read_text())
+    assert cfg["distributed_type"] == "MULTI_GPU" and cfg["mixed_precision"] == "bf16" and not cfg["use_cpu"]
+    assert not any(k.startswith("fsdp") for k in cfg)  # train.strategy=fsdp shards; accelerate's plugin would twice
+    assert f"train.strategy={name}" in (CONF / "accelerate" / f"{name}.yaml").read_text()  # the knob it goes with

@@ -56,7 +56,7 @@ def test_the_activation_terms_are_what_the_real_draft_keeps(dims, bf16):
 def test_fsdp_divides_the_static_state_and_ddp_adds_its_buckets():
     s = memory.DraftShape(8192, 7, 7168, 18432, 64, 64, 128, 32000)
     p = memory.DraftParams(trainable=961_572_864, frozen=1_633_164_288, largest_unit=1_174_405_120,
-                           linear_trainable=961_544_192)
+                           linear_trainable=961_544_192, largest_trainable_unit=807_411_712)
     one, ddp, fsdp = (memory.estimate(s, p, n, how) for n, how in ((1, "ddp"), (8, "ddp"), (8, "fsdp")))
     assert ddp["parts"]["DDP gradient buckets (fp32)"] == 4 * p.trainable and "DDP gradient buckets (fp32)" not in one["parts"]
     assert fsdp["parts"]["AdamW moments (fp32 x 2)"] == ddp["parts"]["AdamW moments (fp32 x 2)"] / 8
@@ -70,7 +70,7 @@ def test_plan_sizes_the_kimi_k25_draft_from_its_declared_shape(make_cfg):
     from pipeline.tools import plan
 
     over = ["target=kimi_k25", "train.tokens_per_pack=8192", "train.ttt_steps=7", "plan.world_size=8"]
-    ddp, fsdp = (plan.compute(make_cfg(*over, f"plan.strategy={how}")) for how in ("ddp", "fsdp"))
+    ddp, fsdp = (plan.compute(make_cfg(*over, f"train.strategy={how}")) for how in ("ddp", "fsdp"))
     assert ddp["params"]["trainable"] == 961_572_864 and ddp["params"]["frozen"] == 1_633_164_288
     assert ddp["aux_layer_ids"] == [1, 29, 57] and ddp["fits"] and fsdp["peak"] < ddp["peak"]
 
