@@ -124,7 +124,9 @@ class ExtractConfig:
     # one compresses), 1.5 GB for SmolLM2, 15 GB for Kimi-K2.5.
     shard_tokens: int = 262144
     chunk_tokens: int = 2048  # zarr chunk length along tokens
-    compressor: Compressor = Compressor.blosc_zstd  # bitshuffled zstd; `none` for the fastest writes
+    # bitshuffled lz4: on SmolLM2's bf16 states (H200) 1.5% smaller AND 10% faster end to end than zstd level 3
+    # (docs/feature_store.md "Compressor"); `none` for the fastest writes (+21% bytes). Not in extract's fingerprint.
+    compressor: Compressor = Compressor.blosc_lz4
     clevel: int = 3
     limit: Optional[int] = None  # first N prepared samples; null = all
     overwrite: bool = False  # allow replacing features made from other inputs

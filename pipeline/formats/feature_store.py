@@ -190,7 +190,7 @@ class ShardWriter:
     """
 
     def __init__(self, root: Path, spec: ShardSpec, facts: dict, widths: tuple[int, int],
-                 chunk_tokens: int = 2048, compressor: str = "blosc_zstd", clevel: int = 3):
+                 chunk_tokens: int = 2048, compressor: str = "blosc_lz4", clevel: int = 3):
         self.root, self.spec, self.facts = Path(root), spec, facts
         self.final = self.root / shard_name(spec.index)
         self.tmp = self.root / (shard_name(spec.index) + ".tmp")
