@@ -99,6 +99,11 @@ class Backend(str, Enum):
     sglang = "sglang"
 
 
+class StoreDtype(str, Enum):  # how hidden states are stored (docs/feature_store.md)
+    bf16 = "bf16"  # bit-exact
+    fp8_e4m3 = "fp8_e4m3"  # float8 e4m3 + a float32 scale per token and layer: ~half the bytes, <= 2^-4 relative
+
+
 class Compressor(str, Enum):
     blosc_zstd = "blosc_zstd"
     blosc_lz4 = "blosc_lz4"
@@ -127,6 +132,7 @@ class ExtractConfig:
     # bitshuffled lz4: on SmolLM2's bf16 states (H200) 1.5% smaller AND 10% faster end to end than zstd level 3
     # (docs/feature_store.md "Compressor"); `none` for the fastest writes (+21% bytes). Not in extract's fingerprint.
     compressor: Compressor = Compressor.blosc_lz4
+    store_dtype: StoreDtype = StoreDtype.bf16  # fp8_e4m3: a different store (its facts say so), decoded to bf16
     clevel: int = 3
     limit: Optional[int] = None  # first N prepared samples; null = all
     overwrite: bool = False  # allow replacing features made from other inputs
@@ -154,6 +160,11 @@ class Strategy(str, Enum):  # how several ranks hold the draft (docs/scale.md)
     fsdp = "fsdp"  # FSDP2 full shard: parameters, gradients and optimizer split over the ranks (pipeline/models/fsdp.py)
 
 
+class FeatureSource(str, Enum):  # where train reads the target's states (pipeline/features.py)
+    offline = "offline"  # the feature store extract wrote (features/)
+    online = "online"  # the target, frozen, run on each pack during training; no features/ (extract is skipped)
+
+
 class Resume(str, Enum):
     auto = "auto"  # continue from the newest complete checkpoint under train/
     never = "never"  # start fresh: deletes every earlier checkpoint and final/ (so none is resumed later)
@@ -170,6 +181,7 @@ class WandbConfig:
 class TrainConfig:
     draft_arch: DraftArch = DraftArch.llama  # mla: an MLA target's (Kimi-K2.x, DeepSeek-V3) latent-cache draft
     strategy: Strategy = Strategy.ddp  # on several ranks: ddp | fsdp (needs >= 2 ranks)
+    features: FeatureSource = FeatureSource.offline  # online: the target beside the draft, no feature store
     ttt_steps: int = 3  # test-time-training unroll: draft positions trained per token
     ttt_step_loss_decay: float = 1.0
     loss: str = "kl_div"  # speculators loss spec (eager implementation)

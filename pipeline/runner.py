@@ -16,6 +16,7 @@ import os
 import time
 from pathlib import Path
 
+from pipeline import features
 from pipeline.errors import UserError
 from pipeline.formats import checkpoint
 from pipeline.formats import feature_store as fs
@@ -115,6 +116,13 @@ def _run_stages(cfg, stage: str) -> None:
         importlib.import_module(f"pipeline.tools.{stage}").run(cfg)
         return
     names = selected(stage)
+    if features.online(cfg):
+        if stage == "extract":
+            raise UserError("train.features=online writes no feature store: train computes the states itself; run "
+                            "stage=train (or stage=all), or set train.features=offline to extract a store")
+        if "extract" in names:
+            log.info("stage extract: skipped, train.features=online (train runs the target on each pack)")
+            names = [n for n in names if n != "extract"]
     if world_size() > 1 and [n for n in names if n not in MULTI_RANK]:
         raise UserError(f"stage={stage} on {world_size()} ranks: only {' and '.join(MULTI_RANK)} run on several ranks "
                         "(torchrun / accelerate launch); run the other stages in one process (docs/scale.md)")
@@ -128,7 +136,8 @@ def _run_stages(cfg, stage: str) -> None:
         old = read_records(run_dir).get(name)
         if old and old["fingerprint"] == fp and module.is_complete(cfg):
             log.info("stage %s: up to date (fingerprint %s), skipped", name, fp)
-            gone = [p for p in INPUTS.get(name, ()) if not (run_dir / p).exists()]
+            gone = [p for p in INPUTS.get(name, ()) if not (run_dir / p).exists()
+                    and not (features.online(cfg) and p.startswith("features/"))]
             if gone:
                 log.warning("stage %s: its output is up to date, but %d of its inputs are gone (%s): stages that read "
                             "them fail until they are rebuilt (stage=all rebuilds them)", name, len(gone),

@@ -70,6 +70,11 @@ def files_to_open(run_dir: Path) -> list[str]:
     return [str(r / w) for w in wanted if (r / w).exists()]
 
 
+def _online(run_dir: Path) -> bool:
+    summary = _read(RunDir(Path(run_dir)).final / "train_summary.json") or {}
+    return summary.get("config", {}).get("train", {}).get("features") == "online"
+
+
 def rows(run_dir: Path, order: list[str], ran: set[str]) -> list[tuple[str, str, str]]:
     """(stage, time, figure) for every stage in the runner's `order`; `ran` = the stages this invocation ran."""
     records = _read(RunDir(Path(run_dir)).stages_json) or {}
@@ -78,7 +83,8 @@ def rows(run_dir: Path, order: list[str], ran: set[str]) -> list[tuple[str, str,
     for name in order:
         rec = records.get(name)
         if rec is None and name not in figs:
-            out.append((name, "-", "not run"))
+            out.append((name, "-", "skipped: train.features=online, the target ran inside train (no feature store)"
+                        if name == "extract" and _online(run_dir) else "not run"))
             continue
         secs = f"{rec['seconds']:.1f} s" if rec else "-"
         out.append((name, secs if name in ran else f"{secs} (up to date, skipped)", figs.get(name, "no output found")))

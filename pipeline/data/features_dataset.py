@@ -91,6 +91,8 @@ def collate(store: FeatureStore, pack: list, tokens_per_pack: int, pad: bool = F
     one shape; speculators' mask keeps a padded position to itself and its loss counts nothing."""
     parts = {k: [] for k in ("input_ids", "hidden_states", "verifier_last_hidden_states", "loss_mask",
                              "position_ids", "document_ids")}
+    if hasattr(store, "prefetch"):  # online: the pack's samples through the target in one forward
+        store.prefetch([piece if isinstance(piece, int) else piece[0] for piece in pack])
     for doc, piece in enumerate(pack):
         i, start, context = (piece, 0, 0) if isinstance(piece, int) else piece
         s = store.sample(i)
@@ -125,9 +127,12 @@ def pad_batch(batch: dict[str, torch.Tensor], length: int) -> dict[str, torch.Te
 class PackDataset(torch.utils.data.Dataset):
     """Map-style over a fixed list of packs; opens the store lazily (once per DataLoader worker)."""
 
-    def __init__(self, root: Path, packs: list[list[Piece]], tokens_per_pack: int, pad: bool = False):
-        self.root, self.packs, self.tokens_per_pack, self.pad = Path(root), packs, tokens_per_pack, pad
-        self._store = None
+    def __init__(self, source, packs: list[list[Piece]], tokens_per_pack: int, pad: bool = False):
+        """source: the store's folder (opened in each worker), or an open source (online: the target itself)."""
+        opened = not isinstance(source, (str, Path))
+        self.root = None if opened else Path(source)
+        self.packs, self.tokens_per_pack, self.pad = packs, tokens_per_pack, pad
+        self._store = source if opened else None
 
     def __len__(self) -> int:
         return len(self.packs)

@@ -10,6 +10,8 @@ Layout (docs/feature_store.md is the normative description):
         offsets     int64  [N+1]     sample i = tokens offsets[i]:offsets[i+1]
         aux_hidden  uint16 [T, n_aux*H]   bf16 bit patterns (attribute logical_dtype = "bfloat16")
         last_hidden uint16 [T, H]         bf16 bit patterns, PRE-norm output of the last decoder layer
+      (store_dtype fp8_e4m3: aux_hidden / last_hidden are uint8 float8_e4m3fn bit patterns, with
+        aux_scale   float32 [T, n_aux]   last_scale float32 [T, 1]   value = fp8 x scale, per token and layer)
 
 A shard is written as `shard-XXXXX.zarr.tmp`, renamed when complete, and only then entered in the manifest
 (itself replaced atomically). A reader trusts the manifest alone, so a killed writer never leaves a shard
@@ -40,6 +42,9 @@ CHECKSUM = "crc32c"  # per chunk, zarr v3 codec, recorded in the manifest
 FORMAT = "eaglepipe-features"
 LOGICAL_DTYPE = "bfloat16"
 STORAGE_DTYPE = "uint16"
+FP8 = "fp8_e4m3"  # facts["store_dtype"]; absent = bf16 (stores written before fp8 existed keep their facts)
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+SCALES = ("aux_scale", "last_scale")
 MANIFEST = "manifest.json"
 LOCK = ".manifest.lock"  # held while the manifest is read, changed and replaced (several writer processes)
 ALL_CHUNKS = {"write_empty_chunks": True}  # an all-zero chunk is written too, so a missing file is damage
@@ -74,6 +79,32 @@ def bf16_to_bits(t: torch.Tensor) -> np.ndarray:
 def bits_to_bf16(a: np.ndarray) -> torch.Tensor:
     """uint16 numpy array of bf16 bit patterns -> bf16 tensor (bit-exact)."""
     return torch.from_numpy(np.ascontiguousarray(a).view(np.int16)).view(torch.bfloat16)
+
+
+def store_dtype(facts: dict) -> str:
+    return facts.get("store_dtype", "bf16")
+
+
+def arrays(facts: dict) -> tuple[str, ...]:
+    return ARRAYS + (SCALES if store_dtype(facts) == FP8 else ())
+
+
+def encode_fp8(x: torch.Tensor, groups: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """[N, groups*H] -> (uint8 [N, groups*H] float8_e4m3fn bits, float32 [N, groups] scales), on x's device.
+    Each token's each layer is scaled so its largest |value| is e4m3's largest finite value (448): relative
+    rounding error <= 2^-4 per element (3 mantissa bits), smaller magnitudes down to e4m3's subnormals."""
+    n = x.shape[0]
+    g = x.float().reshape(n, groups, -1)
+    scale = g.abs().amax(-1, keepdim=True).clamp_min(1e-30) / FP8_MAX
+    q = (g / scale).to(torch.float8_e4m3fn)
+    return q.reshape(n, -1).view(torch.uint8), scale.squeeze(-1)
+
+
+def decode_fp8(bits: np.ndarray, scale: np.ndarray) -> torch.Tensor:
+    """Inverse of encode_fp8: uint8 [N, groups*H] + float32 [N, groups] -> bf16 [N, groups*H]."""
+    n, groups = scale.shape
+    q = torch.from_numpy(np.ascontiguousarray(bits)).view(torch.float8_e4m3fn).float().reshape(n, groups, -1)
+    return (q * torch.from_numpy(np.ascontiguousarray(scale)).unsqueeze(-1)).reshape(n, -1).bfloat16()
 
 
 def make_compressors(name: str, clevel: int = 3) -> list:
@@ -198,21 +229,41 @@ class ShardWriter:
         np.cumsum(spec.lengths, out=self.offsets[1:])
         total = int(self.offsets[-1])
         self.chunk, self.compressors = max(1, min(chunk_tokens, total)), make_compressors(compressor, clevel)
+        self.fp8 = store_dtype(facts) == FP8
+        # fp8 bytes have no planes for bit-shuffle to separate; entropy-coded as bytes they shrink to 0.85, with
+        # lz4 + bit-shuffle to 0.99 (SmolLM2 states, docs/feature_store.md): zstd without shuffle, unless `none`
+        self.fp8_compressors = self.compressors if compressor == "none" else \
+            [BloscCodec(cname="zstd", clevel=clevel, shuffle=BloscShuffle.noshuffle), Crc32cCodec()]
+        states = np.uint8 if self.fp8 else np.uint16
         self.buffers = {"input_ids": np.zeros(total, np.int32), "loss_mask": np.zeros(total, np.uint8),
-                        "aux_hidden": np.zeros((total, widths[0]), np.uint16),
-                        "last_hidden": np.zeros((total, widths[1]), np.uint16)}
+                        "aux_hidden": np.zeros((total, widths[0]), states),
+                        "last_hidden": np.zeros((total, widths[1]), states)}
+        if self.fp8:
+            n_aux = widths[0] // widths[1]
+            self.buffers.update(aux_scale=np.zeros((total, n_aux), np.float32),
+                                last_scale=np.zeros((total, 1), np.float32))
         self.written = np.zeros(len(spec.lengths), dtype=bool)
 
     def write(self, local_index: int, input_ids: np.ndarray, loss_mask: np.ndarray,
-              aux_hidden: torch.Tensor, last_hidden: torch.Tensor) -> None:
+              aux_hidden: torch.Tensor, last_hidden: torch.Tensor, scales=None) -> None:
+        """bf16 store: bf16 states. fp8 store: the uint8 bits and `scales` = (aux [n, n_aux], last [n, 1]) of
+        encode_fp8 (extract encodes on the device, so half the bytes cross to the host)."""
         a, b = int(self.offsets[local_index]), int(self.offsets[local_index + 1])
         n = b - a
         if not (len(input_ids) == len(loss_mask) == aux_hidden.shape[0] == last_hidden.shape[0] == n):
             raise ValueError(f"sample {self.spec.sample_start + local_index}: lengths disagree with the plan ({n})")
+        if self.fp8 != (scales is not None) or (self.fp8 and aux_hidden.dtype != torch.uint8):
+            raise TypeError(f"a {store_dtype(self.facts)} shard takes {'fp8 bits and scales' if self.fp8 else 'bf16 states'}")
         self.buffers["input_ids"][a:b] = input_ids
         self.buffers["loss_mask"][a:b] = loss_mask
-        self.buffers["aux_hidden"][a:b] = bf16_to_bits(aux_hidden)
-        self.buffers["last_hidden"][a:b] = bf16_to_bits(last_hidden)
+        if self.fp8:
+            self.buffers["aux_hidden"][a:b] = aux_hidden.cpu().numpy()
+            self.buffers["last_hidden"][a:b] = last_hidden.cpu().numpy()
+            self.buffers["aux_scale"][a:b] = scales[0].cpu().numpy()
+            self.buffers["last_scale"][a:b] = scales[1].cpu().numpy()
+        else:
+            self.buffers["aux_hidden"][a:b] = bf16_to_bits(aux_hidden)
+            self.buffers["last_hidden"][a:b] = bf16_to_bits(last_hidden)
         self.written[local_index] = True
 
     def commit(self, manifest: dict) -> None:
@@ -226,9 +277,12 @@ class ShardWriter:
                             "num_tokens": int(self.offsets[-1]), "shard_index": self.spec.index})
         for name, data in self.buffers.items():
             arr = group.create_array(name, shape=data.shape, chunks=(self.chunk, *data.shape[1:]), dtype=data.dtype,
-                                     compressors=self.compressors, fill_value=0, config=ALL_CHUNKS)
-            if data.ndim == 2:
-                arr.attrs.update({"logical_dtype": LOGICAL_DTYPE, "storage_dtype": STORAGE_DTYPE})
+                                     compressors=self.fp8_compressors if self.fp8 and data.dtype == np.uint8
+                                     and data.ndim == 2 else self.compressors, fill_value=0, config=ALL_CHUNKS)
+            if name in ("aux_hidden", "last_hidden"):
+                arr.attrs.update({"logical_dtype": LOGICAL_DTYPE, "storage_dtype": str(data.dtype)} if not self.fp8
+                                 else {"logical_dtype": LOGICAL_DTYPE, "storage_dtype": "uint8",
+                                       "encoding": f"{FP8}: value = float8_e4m3fn(bits) x {name[:-7]}_scale"})
             arr[...] = data
         group.create_array("offsets", data=self.offsets, compressors=[Crc32cCodec()], config=ALL_CHUNKS)
         os.replace(self.tmp, self.final)
@@ -277,7 +331,7 @@ class FeatureStore:
                 g = zarr.open_group(str(self.root / name), mode="r")
             except (FileNotFoundError, ValueError, KeyError) as e:
                 raise ChunkError(self.root, name, "(group)", f"cannot be opened ({type(e).__name__}: {e})") from None
-            for array in ARRAYS:
+            for array in arrays(self.facts):
                 missing = missing_chunks(self.root / name, g, array) if array in g else ["the whole array"]
                 if missing:
                     raise ChunkError(self.root, name, array, f"{len(missing)} chunk file(s) missing ({missing[0]})")
@@ -302,6 +356,14 @@ class FeatureStore:
         a, b = int(offsets[local]), int(offsets[local + 1])
         return self._slice(shard["name"], group, a, b)
 
+    def tokens(self, index: int) -> dict[str, torch.Tensor]:
+        """One sample's input_ids (int64) and loss_mask (uint8), without reading its hidden states."""
+        shard, local = self._locate(index)
+        group, offsets = self._group(shard["name"])
+        rows = slice(int(offsets[local]), int(offsets[local + 1]))
+        return {"input_ids": torch.from_numpy(_read(self.root, shard["name"], group, "input_ids", rows).astype(np.int64)),
+                "loss_mask": torch.from_numpy(_read(self.root, shard["name"], group, "loss_mask", rows))}
+
     def sample_lengths(self) -> np.ndarray:
         return np.concatenate([np.diff(self._group(s["name"])[1]) for s in self.shards]) if self.shards \
             else np.zeros(0, dtype=np.int64)
@@ -320,11 +382,15 @@ class FeatureStore:
     def _slice(self, shard: str, group, a: int, b: int) -> dict[str, torch.Tensor]:
         def read(array):
             return _read(self.root, shard, group, array, slice(a, b))
+        if store_dtype(self.facts) == FP8:
+            aux, last = (decode_fp8(read(f"{n}_hidden"), read(f"{n}_scale")) for n in ("aux", "last"))
+        else:
+            aux, last = bits_to_bf16(read("aux_hidden")), bits_to_bf16(read("last_hidden"))
         return {
             "input_ids": torch.from_numpy(read("input_ids").astype(np.int64)),
             "loss_mask": torch.from_numpy(read("loss_mask")),
-            "aux_hidden": bits_to_bf16(read("aux_hidden")),
-            "last_hidden": bits_to_bf16(read("last_hidden")),
+            "aux_hidden": aux,
+            "last_hidden": last,
         }
 
     def iter_token_ranges(self, tokens: int) -> Iterator[tuple[str, int, dict[str, torch.Tensor]]]:
@@ -378,7 +444,7 @@ def verify_store(root: Path | str) -> list[dict]:
         except (FileNotFoundError, ValueError, KeyError) as e:
             bad.append({"shard": s["name"], "array": "(group)", "chunk": None, "problem": f"cannot be opened: {e}"})
             continue
-        for array in ARRAYS:
+        for array in arrays(manifest["facts"]):
             if array not in group:
                 bad.append({"shard": s["name"], "array": array, "chunk": None, "problem": "array missing"})
                 continue

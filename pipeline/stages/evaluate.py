@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from pipeline import features
 from pipeline.acceptance import offline as offline_bench
 from pipeline.acceptance import online as online_bench
 from pipeline.data import prompt_sets
@@ -74,7 +75,7 @@ def run(cfg) -> Path:
     e, rd = cfg.eval, RunDir.of(cfg)
     if not e.endpoint and not (rd.export("sglang") / "export_manifest.json").is_file():  # what offline reads
         raise UserError(f"no SGLang export under {rd.export('sglang')}; run stage=export first")
-    store = rd.open_features()
+    store = features.open_source(cfg)
     # online: the server's own acceptance counters; offline: the greedy chain against the local target
     bench = online_bench if e.endpoint else offline_bench
     for name in e.sets:
@@ -138,7 +139,7 @@ def heldout_prompts(cfg, store, n: int, prompt_tokens: int) -> list[list[int]]:
                         "prompts only from samples the draft never saw; retrain with train.val_fraction > 0")
     prompts = []
     for i in val:
-        s = store.sample(i)
+        s = store.tokens(i)
         first = int(torch.nonzero(s["loss_mask"])[0]) if s["loss_mask"].any() else len(s["input_ids"])
         if 1 < first <= prompt_tokens:
             prompts.append(s["input_ids"][:first].tolist())

@@ -19,7 +19,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from pipeline import __version__
+from pipeline import __version__, features
 from pipeline.errors import UserError
 from pipeline.fingerprint import digest
 from pipeline.formats import export_layouts as lay
@@ -85,7 +85,7 @@ def run(cfg) -> Path:
     final = RunDir.of(cfg).final
     if not (final / "train_summary.json").is_file():
         raise UserError(f"no trained draft under {final}; run stage=train first")
-    store = RunDir.of(cfg).open_features()
+    store = features.open_source(cfg)  # the facts only: aux ids, target, hash
     d2t, t2d, vman = vocab_map.load(RunDir.of(cfg).vocab)
     weights, draft_cfg = _load_final(final)
     if draft_cfg["eagle_aux_hidden_state_layer_ids"] != store.aux_layer_ids:

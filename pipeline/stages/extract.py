@@ -25,8 +25,8 @@ import torch
 from omegaconf import OmegaConf
 from tqdm import tqdm
 
-from pipeline import __version__
-from pipeline.engines.hf_capture import CONVENTION, Capture, aux_layer_ids, pad_batch
+from pipeline import features
+from pipeline.engines.hf_capture import Capture, aux_layer_ids, pad_batch
 from pipeline.errors import UserError
 from pipeline.fingerprint import digest
 from pipeline.formats import feature_store as fs
@@ -71,6 +71,8 @@ def fingerprint(cfg) -> str:
         leave_out.add("sglang_attention_backend")
     shaping = {k: v for k, v in OmegaConf.to_container(cfg.extract, resolve=True, enum_to_str=True).items()
                if k not in leave_out}
+    if shaping.get("store_dtype") == "bf16":  # the default leaves bf16 stores made before the knob up to date
+        shaping.pop("store_dtype")
     return digest({"prepared": prepared, "target": targets.fingerprint(targets.resolve(cfg.target, cfg.cache_dir)),
                    "extract": shaping, "store_schema": fs.SCHEMA_VERSION})
 
@@ -113,22 +115,6 @@ def plan_batches(lengths: list[int], batch_tokens: int, max_batch_size: int) -> 
     return batches
 
 
-def store_facts(cfg, folder: Path, model_cfg, tok, stats: dict, aux: list[int], dtype: torch.dtype,
-                num_samples: int) -> dict:
-    """What produced the store: recorded in the manifest and every shard; later stages read these."""
-    return {
-        "produced_by": f"eaglepipe {__version__}", "backend": backend(cfg), "target_name": cfg.target.name,
-        "target_path": str(folder), "target_fingerprint": targets.fingerprint(folder),
-        "num_layers": model_cfg.num_hidden_layers, "hidden_size": model_cfg.hidden_size,
-        "vocab_size": model_cfg.vocab_size, "aux_layer_ids": aux, "layer_id_convention": CONVENTION,
-        "last_hidden": f"pre-norm output of decoder layer {model_cfg.num_hidden_layers - 1}",
-        "logical_dtype": fs.LOGICAL_DTYPE, "compute_dtype": str(dtype).replace("torch.", ""),
-        "chat_template_hash": targets.chat_template_hash(tok), "max_len": stats["max_len"],
-        "prepared_fingerprint": stats["prepared_fingerprint"], "num_samples": num_samples,
-        "shard_tokens": cfg.extract.shard_tokens,
-    }
-
-
 def ranks() -> tuple[int, int]:
     """(rank, world size) under torchrun / accelerate launch; (0, 1) in one process."""
     return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
@@ -152,7 +138,7 @@ def run(cfg) -> Path:
         device = _rank_device(device)
         group = _process_group()
     lengths = np.array([len(x) for x in ds["input_ids"]], dtype=np.int64)
-    facts = store_facts(cfg, folder, model_cfg, tok, stats, aux, dtype, len(lengths))
+    facts = features.facts(cfg, folder, model_cfg, tok, stats, aux, dtype, len(lengths))
     if ex.repair:
         _drop_damaged(cfg)
     try:
@@ -293,18 +279,21 @@ def _to_host(t: torch.Tensor):
 
 
 def _scatter(writer, ids_all, mask_all, batch: list[int], lengths: list[int], copied) -> None:
-    """A copied batch into the shard's host buffer, sample by sample, once its copy has landed."""
-    (aux, aux_done), (last, last_done) = copied
-    for event in (aux_done, last_done):
+    """A copied batch into the shard's host buffer, sample by sample, once its copy has landed. `copied`: the
+    (host tensor, event) of aux and last, then (fp8 store) of their scales."""
+    for _, event in copied:
         if event is not None:
             event.synchronize()
-    for i, a, b in zip(batch, aux.split(lengths), last.split(lengths)):
-        writer.write(i, np.asarray(ids_all[i]), np.asarray(mask_all[i]), a, b)
+    parts = [t.split(lengths) for t, _ in copied]
+    for j, i in enumerate(batch):
+        scales = (parts[2][j], parts[3][j]) if len(parts) == 4 else None
+        writer.write(i, np.asarray(ids_all[i]), np.asarray(mask_all[i]), parts[0][j], parts[1][j], scales)
 
 
 def _extract_shards(cfg, ds, todo, capture, facts, manifest, device, hidden: int, n_aux: int,
                     write: bool = True) -> None:
     ex = cfg.extract
+    fp8 = features.fp8(cfg)
     t0, tokens_done = time.time(), 0
     bar = tqdm(total=int(sum(sum(s.lengths) for s in todo)), desc="extract", unit="tok", mininterval=1.0)
     commit: Optional[Future] = None
@@ -321,7 +310,11 @@ def _extract_shards(cfg, ds, todo, capture, facts, manifest, device, hidden: int
                 if not write:
                     continue
                 ns = [spec.lengths[i] for i in batch]
-                copied = [_to_host(_valid_rows(h, ns)) for h in (aux_h, last_h)]  # the real tokens only
+                rows = [_valid_rows(h, ns) for h in (aux_h, last_h)]  # the real tokens only
+                if fp8:  # encoded on the device: half the bytes cross to the host
+                    (a_bits, a_scale), (l_bits, l_scale) = fs.encode_fp8(rows[0], n_aux), fs.encode_fp8(rows[1], 1)
+                    rows = [a_bits, l_bits, a_scale, l_scale]
+                copied = [_to_host(r) for r in rows]
                 if pending is not None:
                     _scatter(writer, ids_all, mask_all, *pending)
                 pending = (batch, ns, copied)

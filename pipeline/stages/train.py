@@ -21,7 +21,7 @@ import torch
 from omegaconf import OmegaConf
 from tqdm import tqdm
 
-from pipeline import __version__
+from pipeline import __version__, features
 from pipeline.config import Resume, Strategy
 from pipeline.data.features_dataset import (
     STORE_ERROR,
@@ -69,6 +69,9 @@ def check(cfg) -> None:
                         f"{t.tokens_per_pack}) (or null: a quarter of it)")
     if not t.lr > 0:
         problems.append(f"train.lr={t.lr} must be > 0")
+    if features.online(cfg) and (features.fp8(cfg) or str(getattr(cfg.extract.backend, "value", cfg.extract.backend)) != "hf"):
+        problems.append("train.features=online captures with the hf backend in bf16; extract.backend=sglang and "
+                        "extract.store_dtype=fp8_e4m3 describe a feature store: use train.features=offline")
     if not 0 <= t.val_fraction < 1:
         problems.append(f"train.val_fraction={t.val_fraction} must be in [0, 1)")
     if problems:
@@ -85,7 +88,7 @@ def _shaping(t, leave_out: tuple[str, ...]) -> dict:
     """The train section as fingerprinted: the default Llama draft leaves out draft_arch, and DDP leaves out
     strategy, so runs trained before those knobs existed keep their stage fingerprints (not retrained)."""
     data = shaping(t, leave_out)
-    for key, default in (("draft_arch", "llama"), ("strategy", "ddp")):  # knobs added later, at their defaults
+    for key, default in (("draft_arch", "llama"), ("strategy", "ddp"), ("features", "offline")):  # knobs added later, at their defaults
         if data.get(key) == default:
             data.pop(key)
     return data
@@ -96,7 +99,7 @@ def is_complete(cfg) -> bool:
 
 
 def load_inputs(cfg):
-    store = RunDir.of(cfg).open_features()
+    store = features.open_source(cfg)  # the feature store, or (train.features=online) the target itself
     try:
         d2t, t2d, vman = vocab_map.load(RunDir.of(cfg).vocab)
     except vocab_map.VocabError as e:
@@ -161,7 +164,7 @@ def run(cfg) -> Path:
     progress = _resume_or_clear(cfg, s)
     _start_logging(cfg, s, plan, progress)
     _loop(cfg, s, plan, progress)
-    final_val = _validate(s.accelerator, s.model, cfg, plan.val_packs, s.fwd)
+    final_val = _validate(s, cfg, plan.val_packs)
     _log(s.accelerator, s.root / "metrics.jsonl", {"split": "val", **final_val}, progress.step)
     _finish(s.accelerator, s.model, cfg, s.root, progress.step, final_val, s.upstream, plan)
     s.accelerator.end_training()
@@ -199,6 +202,9 @@ def _setup(cfg) -> tuple[Session, Plan]:
     t = cfg.train
     store, d2t, t2d, vman = load_inputs(cfg)
     accelerator = make_accelerator(cfg)
+    if features.online(cfg):
+        store.device = accelerator.device  # this rank's replica of the target runs where its draft does
+        log.info("train: train.features=online: the target runs on each pack (no feature store)")
     set_seed(cfg.seed)
     folder = Path(store.facts["target_path"])
     target_hf = targets.load_config(folder, cfg.target)
@@ -292,7 +298,7 @@ def _start_logging(cfg, s: Session, plan: Plan, p: Progress) -> None:
     if p.step == 0:
         metrics_file = s.root / "metrics.jsonl"
         metrics_file.unlink(missing_ok=True)
-        _log(s.accelerator, metrics_file, {"split": "val", **_validate(s.accelerator, s.model, cfg, plan.val_packs, s.fwd)}, 0)
+        _log(s.accelerator, metrics_file, {"split": "val", **_validate(s, cfg, plan.val_packs)}, 0)
 
 
 def _loop(cfg, s: Session, plan: Plan, p: Progress) -> None:
@@ -305,9 +311,11 @@ def _loop(cfg, s: Session, plan: Plan, p: Progress) -> None:
     with tqdm(total=plan.total_steps, initial=p.step, disable=not acc.is_local_main_process, desc="train") as bar:
         while p.step < plan.total_steps and p.epoch < t.epochs:
             mine = rank_share(plan.epochs[p.epoch], p.packs_done, acc.process_index, acc.num_processes, t.grad_accum)
-            loader = torch.utils.data.DataLoader(PackDataset(s.store.root, mine, t.tokens_per_pack, t.pad_packs),
-                                                 batch_size=None, shuffle=False, num_workers=t.num_workers,
-                                                 pin_memory=acc.device.type == "cuda")
+            online = s.store.root is None  # the target runs in this process, on this rank's device: no workers
+            loader = torch.utils.data.DataLoader(PackDataset(s.store if online else s.store.root, mine,
+                                                             t.tokens_per_pack, t.pad_packs),
+                                                 batch_size=None, shuffle=False, num_workers=0 if online else t.num_workers,
+                                                 pin_memory=acc.device.type == "cuda" and not online)
             s.model.train()
             for batch in loader:
                 if STORE_ERROR in batch:
@@ -329,7 +337,7 @@ def _loop(cfg, s: Session, plan: Plan, p: Progress) -> None:
                     _log(acc, metrics_file, rec, p.step)
                     window, t0, window_tokens = defaultdict(float), time.time(), 0
                 if p.step % t.val_every_steps == 0 and p.step < plan.total_steps:
-                    _log(acc, metrics_file, {"split": "val", **_validate(acc, s.model, cfg, plan.val_packs, s.fwd)}, p.step)
+                    _log(acc, metrics_file, {"split": "val", **_validate(s, cfg, plan.val_packs)}, p.step)
                     s.model.train()
                 saved = p.step % t.save_every_steps == 0 or p.step == plan.total_steps
                 if saved:
@@ -431,11 +439,11 @@ def _summarise(sums: dict, ttt_steps: int, prefix: str = "") -> dict:
 
 
 @torch.no_grad()
-def _validate(accelerator, model, cfg, packs: list, fwd: dict) -> dict:
+def _validate(s: Session, cfg, packs: list) -> dict:
     """Every rank its own packs (as many on each: under FSDP every forward is a collective)."""
+    accelerator, model, fwd, store = s.accelerator, s.model, s.fwd, s.store
     model.eval()
     sums = defaultdict(float)
-    store = RunDir.of(cfg).open_features()
     from pipeline.data.features_dataset import collate
     for pack in packs:
         batch = {k: v.to(accelerator.device)

@@ -14,10 +14,9 @@ from pathlib import Path
 import numpy as np
 from omegaconf import OmegaConf
 
-from pipeline import __version__
+from pipeline import __version__, features
 from pipeline.errors import UserError
 from pipeline.fingerprint import digest
-from pipeline.formats import feature_store as fs
 from pipeline.formats import vocab_map
 from pipeline.models import targets
 from pipeline.run_dir import RunDir
@@ -40,9 +39,7 @@ def check(cfg) -> None:
 
 
 def fingerprint(cfg) -> str:
-    manifest = RunDir.of(cfg).features / fs.MANIFEST
-    return digest({"features": manifest.read_text() if manifest.exists() else None,
-                   "draft_vocab_size": cfg.vocab.draft_vocab_size})
+    return digest({"features": features.fingerprint_text(cfg), "draft_vocab_size": cfg.vocab.draft_vocab_size})
 
 
 def is_complete(cfg) -> bool:
@@ -51,7 +48,7 @@ def is_complete(cfg) -> bool:
 
 def run(cfg) -> Path:
     check(cfg)
-    store = RunDir.of(cfg).open_features()
+    store = features.open_source(cfg)  # online: prepared/'s tokens, the target never loaded
     V, K = int(store.facts["vocab_size"]), cfg.vocab.draft_vocab_size
     if not 1 <= K <= V:
         raise UserError(f"vocab.draft_vocab_size={K}: must be in [1, {V}] (the target vocabulary)")

@@ -52,9 +52,11 @@ def fakes(monkeypatch):
     return types.SimpleNamespace(made=made, calls=calls, reported=reported)
 
 
-def cfg_for(stage, run_dir):
-    # the sections the runner's own cross-stage checks read (resume vs a rebuilt vocab, the held-out split)
-    return OmegaConf.create({"stage": stage, "run_dir": str(run_dir), "train": {"resume": "auto", "val_fraction": 0.1},
+def cfg_for(stage, run_dir, features="offline"):
+    # the sections the runner's own cross-stage checks read (resume vs a rebuilt vocab, the held-out split, where
+    # the states come from)
+    return OmegaConf.create({"stage": stage, "run_dir": str(run_dir),
+                             "train": {"resume": "auto", "val_fraction": 0.1, "features": features},
                              "vocab": {"draft_vocab_size": 8}})
 
 
@@ -188,3 +190,11 @@ def test_a_skipped_stage_whose_input_is_gone_says_so(make_cfg, tmp_path, caplog)
     stages.run_stages(cfg)
     assert "stage vocab: up to date" in caplog.text
     assert f"1 of its inputs are gone ({tmp_path}/features/manifest.json)" in caplog.text
+
+
+def test_online_features_skip_extract_in_stage_all_and_refuse_it_alone(fakes, tmp_path):
+    stages.run_stages(cfg_for("all", tmp_path / "run", features="online"))
+    assert runs(fakes.calls) == [n for n in stages.ORDER if n != "extract"]
+    assert ("check", "extract") not in fakes.calls
+    with pytest.raises(UserError, match="train.features=online writes no feature store"):
+        stages.run_stages(cfg_for("extract", tmp_path / "run2", features="online"))

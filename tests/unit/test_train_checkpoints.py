@@ -36,7 +36,7 @@ class Accelerator:
 
 
 def session(root, upstream=UPSTREAM):
-    return SimpleNamespace(accelerator=Accelerator(), root=root, upstream=dict(upstream))
+    return SimpleNamespace(accelerator=Accelerator(), root=root, upstream=dict(upstream), sharded=False)
 
 
 def cfg(resume=Resume.auto, seed=0):
@@ -46,8 +46,8 @@ def cfg(resume=Resume.auto, seed=0):
 
 
 def save(s, step, epoch=0, done=0, seed=0, upstream=UPSTREAM, keep_last=3):
-    train._save(s.accelerator, s.root, {"optimizer_step": step, "epoch": epoch, "packs_done_in_epoch": done,
-                                        "seed": seed, "upstream": dict(upstream)}, keep_last)
+    train._save(s, {"optimizer_step": step, "epoch": epoch, "packs_done_in_epoch": done,
+                    "seed": seed, "upstream": dict(upstream)}, keep_last)
 
 
 def test_save_writes_the_accelerator_state_into_tmp_then_publishes_the_step(tmp_path):
@@ -123,7 +123,7 @@ def test_only_the_main_process_clears(tmp_path):
 def test_a_checkpoint_from_before_the_global_position_resumes_where_it_stopped(tmp_path):
     """Checkpoints written before packs_done_in_epoch counted this (single) rank's micro-batches."""
     s = session(tmp_path)
-    train._save(s.accelerator, s.root, {"optimizer_step": 5, "epoch": 1, "batches_done_in_epoch": 3, "seed": 0,
-                                        "upstream": dict(UPSTREAM)}, 3)
+    train._save(s, {"optimizer_step": 5, "epoch": 1, "batches_done_in_epoch": 3, "seed": 0,
+                    "upstream": dict(UPSTREAM)}, 3)
     p = train._resume_or_clear(cfg(), s)
     assert (p.step, p.epoch, p.packs_done) == (5, 1, 3)

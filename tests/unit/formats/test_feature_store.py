@@ -167,3 +167,63 @@ def test_a_store_from_before_checksums_is_refused_with_the_fix(tmp_path):
         fs.open_for_writing(tmp_path, FACTS)  # never resumed into
     fs.open_for_writing(tmp_path, FACTS, overwrite=True)
     assert json.loads((tmp_path / "manifest.json").read_text())["schema_version"] == 2
+
+
+# ------------------------------------------------------------------------------------------------ fp8 store
+FP8_FACTS = {**FACTS, "store_dtype": fs.FP8}
+
+
+def _heavy_tailed(n, width, seed=0):
+    """States like a transformer's residual stream: most values small, a few channels 100x larger."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, width, generator=g)
+    x[:, ::17] *= 100
+    return x.bfloat16()
+
+
+def test_fp8_round_trip_error_is_within_e4m3s_bound_per_token_and_per_element():
+    x = _heavy_tailed(64, 3 * 96)
+    bits, scale = fs.encode_fp8(x, 3)
+    assert bits.dtype == torch.uint8 and bits.shape == x.shape and scale.shape == (64, 3)
+    back = fs.decode_fp8(bits.numpy(), scale.numpy()).float()
+    xf = x.float()
+    # per token (and layer): the relative error of the vector is at most e4m3's rounding, 2^-4 (plus bf16's 2^-9)
+    per_token = (back - xf).reshape(64, 3, 96).norm(dim=-1) / xf.reshape(64, 3, 96).norm(dim=-1)
+    assert float(per_token.max()) <= 2 ** -4 + 2 ** -9
+    # per element: 2^-4 relative, or half e4m3's smallest subnormal step (2^-10 x scale) near zero
+    step = scale.repeat_interleave(96, dim=1)
+    assert bool(((back - xf).abs() <= (2 ** -4 + 2 ** -8) * xf.abs() + 2 ** -10 * step * 1.01).all())
+    # and it is really lossy (a test of the bound, not of a no-op)
+    assert float(per_token.max()) > 2 ** -9
+
+
+def test_an_fp8_shard_is_written_as_uint8_plus_scales_and_read_back_as_bf16(tmp_path):
+    manifest = fs.open_for_writing(tmp_path, FP8_FACTS)
+    writer = fs.ShardWriter(tmp_path, fs.ShardSpec(0, 0, [5, 7]), FP8_FACTS, (8, 4), chunk_tokens=3)
+    want = []
+    for i, n in enumerate([5, 7]):
+        aux, last = _heavy_tailed(n, 8, seed=i), _heavy_tailed(n, 4, seed=10 + i)
+        (ab, asc), (lb, lsc) = fs.encode_fp8(aux, 2), fs.encode_fp8(last, 1)
+        with pytest.raises(TypeError, match="fp8 bits and scales"):
+            writer.write(i, np.arange(n), np.ones(n), aux, last)  # bf16 states into an fp8 shard: refused
+        writer.write(i, np.arange(n), np.ones(n), ab, lb, (asc, lsc))
+        want.append((fs.decode_fp8(ab.numpy(), asc.numpy()), fs.decode_fp8(lb.numpy(), lsc.numpy())))
+    writer.commit(manifest)
+    import zarr
+    g = zarr.open_group(str(tmp_path / "shard-00000.zarr"), mode="r")
+    assert g["aux_hidden"].dtype == np.uint8 and g["aux_scale"].shape == (12, 2) and g["last_scale"].shape == (12, 1)
+    store = fs.FeatureStore(tmp_path)
+    for i, (aux, last) in enumerate(want):
+        got = store.sample(i)
+        assert got["aux_hidden"].dtype == torch.bfloat16 and torch.equal(got["aux_hidden"], aux)
+        assert torch.equal(got["last_hidden"], last)
+    assert fs.verify_store(tmp_path) == []
+    scale_chunk = tmp_path / "shard-00000.zarr" / "aux_scale" / "c" / "1" / "0"
+    scale_chunk.unlink()  # a missing scale chunk is damage like any other
+    assert [b["array"] for b in fs.verify_store(tmp_path)] == ["aux_scale"]
+
+
+def test_an_fp8_store_is_not_a_bf16_store(tmp_path):
+    _write(tmp_path, [3, 4])
+    with pytest.raises(fs.StoreError, match="store_dtype: store=None asked='fp8_e4m3'"):
+        fs.open_for_writing(tmp_path, FP8_FACTS)

@@ -1,0 +1,173 @@
+"""Where the stages after extract read the target's hidden states from (`train.features`):
+
+- `offline` (default): the feature store extract wrote (`features/`, docs/feature_store.md);
+- `online`: the target itself, frozen, run on each pack as training needs it, with extract's capture code
+  (pipeline/engines/hf_capture.py: the same hooks, the same bf16 cast). No `features/` is written.
+
+Both sources have one reading interface: `facts`, `aux_layer_ids`, `hidden_size`, `len()`, `sample_lengths()`,
+`tokens(i)`, `sample(i)`, `iter_tokens()`, `manifest_hash()`. So vocab, train, export and evaluate do not know
+which one they read. The facts (what produced the states) are built here for both: one home.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+import torch
+
+from pipeline import __version__
+from pipeline.engines.hf_capture import CONVENTION, Capture, aux_layer_ids, pad_batch
+from pipeline.errors import UserError
+from pipeline.fingerprint import digest
+from pipeline.formats import feature_store as fs
+from pipeline.formats import prepared
+from pipeline.models import targets
+from pipeline.run_dir import RunDir
+
+log = logging.getLogger(__name__)
+
+
+def online(cfg) -> bool:
+    from omegaconf import OmegaConf
+
+    value = OmegaConf.select(cfg, "train.features", default="offline")
+    return str(getattr(value, "value", value)) == "online"
+
+
+def backend(cfg) -> str:
+    return "hf" if online(cfg) else str(getattr(cfg.extract.backend, "value", cfg.extract.backend))
+
+
+def fp8(cfg) -> bool:
+    return str(getattr(cfg.extract.store_dtype, "value", cfg.extract.store_dtype)) == fs.FP8
+
+
+def facts(cfg, folder: Path, model_cfg, tok, stats: dict, aux: list[int], dtype: torch.dtype,
+          num_samples: int) -> dict:
+    """What produced the states: recorded in the store's manifest and every shard (offline), or held by the
+    online source; later stages read these."""
+    out = {
+        "produced_by": f"eaglepipe {__version__}", "backend": backend(cfg), "target_name": cfg.target.name,
+        "target_path": str(folder), "target_fingerprint": targets.fingerprint(folder),
+        "num_layers": model_cfg.num_hidden_layers, "hidden_size": model_cfg.hidden_size,
+        "vocab_size": model_cfg.vocab_size, "aux_layer_ids": aux, "layer_id_convention": CONVENTION,
+        "last_hidden": f"pre-norm output of decoder layer {model_cfg.num_hidden_layers - 1}",
+        "logical_dtype": fs.LOGICAL_DTYPE, "compute_dtype": str(dtype).replace("torch.", ""),
+        "chat_template_hash": targets.chat_template_hash(tok), "max_len": stats["max_len"],
+        "prepared_fingerprint": stats["prepared_fingerprint"], "num_samples": num_samples,
+        "shard_tokens": cfg.extract.shard_tokens,
+        **({"store_dtype": fs.FP8} if fp8(cfg) and not online(cfg) else {}),  # absent = bf16, as before fp8
+    }
+    if online(cfg):
+        out.pop("shard_tokens")
+        out["source"] = "online"  # computed in training, never written
+    return out
+
+
+def open_source(cfg):
+    """The states the later stages read: the feature store (offline) or the online source."""
+    if not online(cfg):
+        return RunDir.of(cfg).open_features()
+    return OnlineFeatures.of(cfg)
+
+
+def fingerprint_text(cfg) -> Optional[str]:
+    """What downstream fingerprints hash for the states: the store's manifest text, or the online facts."""
+    if online(cfg):
+        try:
+            return json.dumps(OnlineFeatures.of(cfg, load=False).facts, sort_keys=True)
+        except UserError:
+            return None  # nothing prepared yet: the stage that needs it says so when it runs
+    manifest = RunDir.of(cfg).features / fs.MANIFEST
+    return manifest.read_text() if manifest.exists() else None
+
+
+class OnlineFeatures:
+    """The feature store's reading interface over prepared/ and the target: `tokens(i)` reads prepared/ only;
+    `sample(i)` (and `prefetch` for a whole pack, in one padded forward) runs the target on `device`."""
+
+    def __init__(self, facts: dict, ds, folder: Path, target_cfg, device: torch.device, dtype: torch.dtype,
+                 attn: str):
+        self.facts, self._ds, self._folder, self._target_cfg = facts, ds, folder, target_cfg
+        self.device, self._dtype, self._attn = device, dtype, attn
+        self._capture: Optional[Capture] = None
+        self._cache: dict[int, dict] = {}
+        self.root = None  # no files: a DataLoader gets this object, not a path
+
+    @classmethod
+    def of(cls, cfg, load: bool = True) -> OnlineFeatures:
+        ex = cfg.extract
+        if str(getattr(ex.backend, "value", ex.backend)) != "hf" or fp8(cfg):
+            raise UserError("train.features=online captures with the hf backend in bf16; extract.backend=sglang and "
+                            "extract.store_dtype=fp8_e4m3 describe a feature store: use train.features=offline")
+        folder = targets.resolve(cfg.target, cfg.cache_dir)
+        model_cfg = targets.load_config(folder, cfg.target)
+        aux = aux_layer_ids(ex.aux_layers, model_cfg.num_hidden_layers)
+        ds, stats = prepared.load(cfg.run_dir, ex.limit)
+        if stats["target_fingerprint"] != targets.fingerprint(folder):
+            raise UserError(f"prepared data in {cfg.run_dir}/prepared was tokenized for another target "
+                            f"({stats['target_path']}); rerun stage=prepare or use another run_dir")
+        device, dtype = targets.pick_device_dtype(cfg.train.device, ex.dtype)
+        tok = targets.load_tokenizer(folder, cfg.target)
+        return cls(facts(cfg, folder, model_cfg, tok, stats, aux, dtype, len(ds)), ds, folder, cfg.target, device,
+                   dtype, ex.attn_implementation)
+
+    # ---- the FeatureStore's reading interface
+    def __len__(self) -> int:
+        return len(self._ds)
+
+    @property
+    def aux_layer_ids(self) -> list[int]:
+        return list(self.facts["aux_layer_ids"])
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.facts["hidden_size"])
+
+    def manifest_hash(self) -> str:
+        return digest(self.facts)
+
+    def sample_lengths(self) -> np.ndarray:
+        return np.array([len(x) for x in self._ds["input_ids"]], dtype=np.int64)
+
+    def tokens(self, i: int) -> dict[str, torch.Tensor]:
+        row = self._ds[int(i)]
+        return {"input_ids": torch.tensor(row["input_ids"], dtype=torch.long),
+                "loss_mask": torch.tensor(row["loss_mask"], dtype=torch.uint8)}
+
+    def iter_tokens(self):
+        for ids, mask in zip(self._ds["input_ids"], self._ds["loss_mask"]):
+            yield np.asarray(ids, dtype=np.int64), np.asarray(mask, dtype=np.uint8)
+
+    def sample(self, i: int) -> dict[str, torch.Tensor]:
+        if i not in self._cache:
+            self.prefetch([i])
+        return self._cache[i]
+
+    # ---- online only
+    def prefetch(self, ids: list[int]) -> None:
+        """The states of these samples in one padded forward (longest first, as extract batches); the cache
+        holds only these afterwards (a pack's samples)."""
+        keep = {i: self._cache[i] for i in ids if i in self._cache}
+        need = sorted({int(i) for i in ids} - set(keep), key=lambda i: (-len(self._ds[i]["input_ids"]), i))
+        if need:
+            rows = [self.tokens(i) for i in need]
+            input_ids, attn = pad_batch([r["input_ids"] for r in rows])
+            aux, last = self._target()(input_ids.to(self.device), attn.to(self.device))
+            for r, (i, row) in enumerate(zip(need, rows)):
+                n = len(row["input_ids"])
+                keep[i] = {**row, "aux_hidden": aux[r, :n].clone(), "last_hidden": last[r, :n].clone()}
+        self._cache = keep
+
+    def _target(self) -> Capture:
+        if self._capture is None:  # loaded on the first states asked for: vocab/export/evaluate never load it
+            log.info("online features: the target %s on %s (%s), frozen", self._folder, self.device,
+                     str(self._dtype).replace("torch.", ""))
+            model = targets.load_model(self._folder, self._target_cfg, self.device, self._dtype, self._attn)
+            model.requires_grad_(False)
+            self._capture = Capture(model, self.aux_layer_ids)
+        return self._capture
