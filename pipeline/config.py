@@ -165,6 +165,11 @@ class FeatureSource(str, Enum):  # where train reads the target's states (pipeli
     online = "online"  # the target, frozen, run on each pack during training; no features/ (extract is skipped)
 
 
+class Select(str, Enum):  # which weights the export takes (train.select)
+    last = "last"  # the last step's
+    tau = "tau"  # the step with the highest tau during training (train.eval_tau_every_steps), at k = serving steps
+
+
 class Resume(str, Enum):
     auto = "auto"  # continue from the newest complete checkpoint under train/
     never = "never"  # start fresh: deletes every earlier checkpoint and final/ (so none is resumed later)
@@ -182,6 +187,10 @@ class TrainConfig:
     draft_arch: DraftArch = DraftArch.llama  # mla: an MLA target's (Kimi-K2.x, DeepSeek-V3) latent-cache draft
     strategy: Strategy = Strategy.ddp  # on several ranks: ddp | fsdp (needs >= 2 ranks)
     features: FeatureSource = FeatureSource.offline  # online: the target beside the draft, no feature store
+    # tau of the draft as exported, every N optimizer steps and at the last (rank 0; eval.num_prompts held-out
+    # prompts, k = 1..eval.max_draft, the fp32 target on eval.device): metrics.jsonl split "tau", wandb tau/k=K
+    eval_tau_every_steps: Optional[int] = None
+    select: Select = Select.last  # tau: export the step of the highest tau at k = export.serve.num_steps
     ttt_steps: int = 3  # test-time-training unroll: draft positions trained per token
     ttt_step_loss_decay: float = 1.0
     loss: str = "kl_div"  # speculators loss spec (eager implementation)

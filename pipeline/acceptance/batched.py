@@ -152,3 +152,14 @@ def speculate(model, capture: Capture, dr, prompts: list[list[int]], max_new: in
                 rounds[r].append(host[r][0])
         _take([row[1: row[0] + 2] for row in host], generated, active, max_new, eos)
     return [(g[:max_new], r) for g, r in zip(generated, rounds)]
+
+
+def tau_by_k(model, capture: Capture, dr, prompts: list[list[int]], max_new: int, ks, eos, batch_size: int) -> dict:
+    """{k: tau} of draft `dr` over the prompts, batch_size at a time: tokens per target forward, pooled over
+    every round of every prompt (what evaluate reports; train logs it during training)."""
+    chunks = [prompts[i: i + batch_size] for i in range(0, len(prompts), batch_size)]
+    out = {}
+    for k in ks:
+        rounds = [r for c in chunks for _, rs in speculate(model, capture, dr, c, max_new, k, eos) for r in rs]
+        out[k] = sum(r + 1 for r in rounds) / max(len(rounds), 1)
+    return out

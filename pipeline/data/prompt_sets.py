@@ -24,6 +24,21 @@ SETS = {
 }
 
 
+def before_answer(store, sample_ids, n: int, prompt_tokens: int) -> list[list[int]]:
+    """Up to n prompts from these samples: each one's tokens before its first supervised token (where the
+    assistant starts answering), kept if 2..prompt_tokens long. Reads token ids only (`store.tokens`)."""
+    prompts = []
+    for i in sample_ids:
+        s = store.tokens(int(i))
+        mask = s["loss_mask"].bool()
+        first = int(mask.nonzero()[0]) if mask.any() else len(s["input_ids"])
+        if 1 < first <= prompt_tokens:
+            prompts.append(s["input_ids"][:first].tolist())
+        if len(prompts) >= n:
+            break
+    return prompts
+
+
 def names() -> list[str]:
     return [HELDOUT, *SETS]
 

@@ -331,3 +331,38 @@ def is_dead(row: dict) -> bool:
     return row["dtype"].startswith(("bfloat", "float")) and row["norm"] == 0.0 or (
         row["dtype"].startswith(("bfloat", "float")) and math.prod(row["shape"]) > 1 and row["std"] == 0.0
         and not row["name"].endswith(("norm.weight", "layernorm.weight")))
+
+
+SGLANG_CONFIG_KEYS = {  # the layer config keys the SGLang class of each layout reads
+    "llama": ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+              "rms_norm_eps", "max_position_embeddings", "rope_parameters", "hidden_act", "attention_bias",
+              "bos_token_id", "eos_token_id"),
+    "mla": ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "q_lora_rank",
+            "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "rms_norm_eps",
+            "max_position_embeddings", "rope_parameters", "rope_interleave", "hidden_act", "attention_bias",
+            "bos_token_id", "eos_token_id"),
+}
+
+
+def sglang_config(layer: dict, draft_cfg: dict, vocab_size: int, target_hidden: int, aux_ids: list[int],
+                  layout: DraftArch = DRAFT_ARCHS["llama"]) -> dict:
+    """config.json of the SGLang export: the layout's class, the layer keys it reads, the aux ids in SGLang's
+    numbering (export stage; train builds the same in memory for tau during training)."""
+    keep = SGLANG_CONFIG_KEYS[layout.name]
+    rope = layer.get("rope_parameters") or {}
+    return {
+        "architectures": [layout.sglang_class], "model_type": layout.sglang_model_type,
+        **{k: layer[k] for k in keep if k in layer}, "rope_theta": rope.get("rope_theta", 10000.0),
+        "vocab_size": int(vocab_size), "draft_vocab_size": int(draft_cfg["draft_vocab_size"]),
+        "num_hidden_layers": 1, "tie_word_embeddings": False, "target_hidden_size": int(target_hidden),
+        "torch_dtype": "bfloat16",
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": aux_ids,
+                         "use_aux_hidden_state": True},
+    }
+
+
+
+
+def sglang_tensors(weights: dict) -> dict:
+    """speculators' draft-owned tensors under SGLang's parameter names (what the export writes)."""
+    return {speculators_to_sglang_name(k): v for k, v in draft_owned(weights).items()}

@@ -15,8 +15,6 @@ import json
 import logging
 from pathlib import Path
 
-import torch
-
 from pipeline import features
 from pipeline.acceptance import offline as offline_bench
 from pipeline.acceptance import online as online_bench
@@ -137,14 +135,7 @@ def heldout_prompts(cfg, store, n: int, prompt_tokens: int) -> list[list[int]]:
     if not val:
         raise UserError(f"{summary.parent} was trained with no held-out samples (train.val_fraction=0): evaluate "
                         "prompts only from samples the draft never saw; retrain with train.val_fraction > 0")
-    prompts = []
-    for i in val:
-        s = store.tokens(i)
-        first = int(torch.nonzero(s["loss_mask"])[0]) if s["loss_mask"].any() else len(s["input_ids"])
-        if 1 < first <= prompt_tokens:
-            prompts.append(s["input_ids"][:first].tolist())
-        if len(prompts) >= n:
-            break
+    prompts = prompt_sets.before_answer(store, val, n, prompt_tokens)
     if not prompts:
         raise UserError(f"none of the {len(val)} held-out samples has a prompt (the tokens before the first "
                         f"supervised one) of 2 to eval.prompt_tokens={prompt_tokens} tokens; raise eval.prompt_tokens")

@@ -70,6 +70,24 @@ def check(cfg) -> None:
         raise UserError("; ".join(problems))
 
 
+def _selected_dir(final: Path, selected: dict) -> Path:
+    """final/ (the last step), or train/best_tau/ when train chose by tau (train.select=tau); checked against the
+    step train recorded, so a folder of another run is never exported."""
+    if selected.get("by") != "tau":
+        return final
+    best = final.parent / selected["path"]
+    try:
+        there = json.loads((best / "selected.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        there = None
+    if not there or there.get("step") != selected["step"]:
+        raise UserError(f"train chose step {selected['step']} by tau, but {best} holds "
+                        f"{'nothing readable' if not there else 'step ' + str(there.get('step'))}; rerun stage=train")
+    log.info("export: train.select=tau: step %d (tau %.4f at k=%d) from %s", selected["step"], selected["tau"],
+             selected["k"], best)
+    return best
+
+
 def _load_final(final: Path) -> tuple[dict, dict]:
     """train/final's weights and config; a damaged or missing file is one line with the fix."""
     fix = (f"delete {final} and rerun stage=train: it resumes from the newest checkpoint under "
@@ -87,7 +105,8 @@ def run(cfg) -> Path:
         raise UserError(f"no trained draft under {final}; run stage=train first")
     store = features.open_source(cfg)  # the facts only: aux ids, target, hash
     d2t, t2d, vman = vocab_map.load(RunDir.of(cfg).vocab)
-    weights, draft_cfg = _load_final(final)
+    selected = json.loads((final / "train_summary.json").read_text()).get("selected") or {"by": "last"}
+    weights, draft_cfg = _load_final(_selected_dir(final, selected))
     if draft_cfg["eagle_aux_hidden_state_layer_ids"] != store.aux_layer_ids:
         raise UserError(f"trained draft has aux ids {draft_cfg['eagle_aux_hidden_state_layer_ids']}, the feature "
                         f"store {store.aux_layer_ids}; retrain")
@@ -98,7 +117,7 @@ def run(cfg) -> Path:
                   "target_path": store.facts["target_path"], "target_fingerprint": store.facts["target_fingerprint"],
                   "features_manifest_hash": store.manifest_hash(), "vocab_coverage": vman["coverage"],
                   "train_summary_hash": digest((final / "train_summary.json").read_text()),
-                  "aux_layer_ids_eaglepipe": store.aux_layer_ids,
+                  "aux_layer_ids_eaglepipe": store.aux_layer_ids, "selected": selected,
                   "target_architecture": targets.architecture(Path(store.facts["target_path"]))}
     arch = provenance["target_architecture"]
     layer = draft_cfg["transformer_layer_config"]
@@ -119,7 +138,7 @@ def run(cfg) -> Path:
         except lay.AuxIdsUnservable as e:
             raise UserError(f"export/{engine}: {e} (extract.aux_layers, then extract and train again)") from None
         if engine == "sglang":
-            names = {lay.speculators_to_sglang_name(k): v for k, v in tensors.items()}
+            names = lay.sglang_tensors(tensors)
             config = sglang_config(layer, draft_cfg, store, engine_ids, layout)
         else:
             names = dict(tensors)
@@ -151,30 +170,9 @@ def run(cfg) -> Path:
     return out_dir(cfg)
 
 
-SGLANG_CONFIG_KEYS = {  # the layer config keys the SGLang class of each layout reads
-    "llama": ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
-              "rms_norm_eps", "max_position_embeddings", "rope_parameters", "hidden_act", "attention_bias",
-              "bos_token_id", "eos_token_id"),
-    "mla": ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "q_lora_rank",
-            "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "rms_norm_eps",
-            "max_position_embeddings", "rope_parameters", "rope_interleave", "hidden_act", "attention_bias",
-            "bos_token_id", "eos_token_id"),
-}
-
-
-def sglang_config(layer: dict, draft_cfg: dict, store: fs.FeatureStore, aux_ids: list[int],
+def sglang_config(layer: dict, draft_cfg: dict, store, aux_ids: list[int],
                   layout: lay.DraftArch = lay.DRAFT_ARCHS["llama"]) -> dict:
-    keep = SGLANG_CONFIG_KEYS[layout.name]
-    rope = layer.get("rope_parameters") or {}
-    return {
-        "architectures": [layout.sglang_class], "model_type": layout.sglang_model_type,
-        **{k: layer[k] for k in keep if k in layer}, "rope_theta": rope.get("rope_theta", 10000.0),
-        "vocab_size": int(store.facts["vocab_size"]), "draft_vocab_size": int(draft_cfg["draft_vocab_size"]),
-        "num_hidden_layers": 1, "tie_word_embeddings": False, "target_hidden_size": store.hidden_size,
-        "torch_dtype": "bfloat16",
-        "eagle_config": {"eagle_aux_hidden_state_layer_ids": aux_ids,
-                         "use_aux_hidden_state": True},
-    }
+    return lay.sglang_config(layer, draft_cfg, int(store.facts["vocab_size"]), store.hidden_size, aux_ids, layout)
 
 
 def vllm_config(draft_cfg: dict, store: fs.FeatureStore, aux_ids: list[int]) -> dict:

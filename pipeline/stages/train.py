@@ -11,10 +11,11 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import signal
 import time
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -22,7 +23,7 @@ from omegaconf import OmegaConf
 from tqdm import tqdm
 
 from pipeline import __version__, features
-from pipeline.config import Resume, Strategy
+from pipeline.config import Resume, Select, Strategy
 from pipeline.data.features_dataset import (
     STORE_ERROR,
     PackDataset,
@@ -45,7 +46,9 @@ log = logging.getLogger(__name__)
 NOT_SHAPING = ("num_workers", "wandb", "resume", "keep_last", "save_every_steps")
 # A checkpoint may also be resumed under another logging/validation cadence or device (train_config_hash).
 # grad_accum: a checkpoint resumes on another number of ranks, where keeping ranks x grad_accum keeps the batch
-RESUMABLE_ACROSS = NOT_SHAPING + ("log_every_steps", "val_every_steps", "device", "grad_accum")
+RESUMABLE_ACROSS = NOT_SHAPING + ("log_every_steps", "val_every_steps", "device", "grad_accum", "eval_tau_every_steps",
+                                  "select")
+BEST_TAU = "best_tau"  # train/best_tau/: the draft at the step of the highest tau so far (train.select=tau)
 
 
 def out_dir(cfg) -> Path:
@@ -69,6 +72,10 @@ def check(cfg) -> None:
                         f"{t.tokens_per_pack}) (or null: a quarter of it)")
     if not t.lr > 0:
         problems.append(f"train.lr={t.lr} must be > 0")
+    if t.eval_tau_every_steps is not None and t.eval_tau_every_steps < 1:
+        problems.append(f"train.eval_tau_every_steps={t.eval_tau_every_steps} must be >= 1 (or null: off)")
+    if t.select == Select.tau and t.eval_tau_every_steps is None:
+        problems.append("train.select=tau picks the step of the highest tau: set train.eval_tau_every_steps too")
     if features.online(cfg) and (features.fp8(cfg) or str(getattr(cfg.extract.backend, "value", cfg.extract.backend)) != "hf"):
         problems.append("train.features=online captures with the hf backend in bf16; extract.backend=sglang and "
                         "extract.store_dtype=fp8_e4m3 describe a feature store: use train.features=offline")
@@ -85,11 +92,12 @@ def fingerprint(cfg) -> str:
 
 
 def _shaping(t, leave_out: tuple[str, ...]) -> dict:
-    """The train section as fingerprinted: the default Llama draft leaves out draft_arch, and DDP leaves out
-    strategy, so runs trained before those knobs existed keep their stage fingerprints (not retrained)."""
+    """The train section as fingerprinted: a knob added later leaves the fingerprint at its default (the Llama
+    draft, DDP, offline features, no tau, select=last), so runs trained before it existed are not retrained."""
     data = shaping(t, leave_out)
-    for key, default in (("draft_arch", "llama"), ("strategy", "ddp"), ("features", "offline")):  # knobs added later, at their defaults
-        if data.get(key) == default:
+    for key, default in (("draft_arch", "llama"), ("strategy", "ddp"), ("features", "offline"),
+                         ("eval_tau_every_steps", None), ("select", "last")):  # knobs added later, at their defaults
+        if key in data and data[key] == default:
             data.pop(key)
     return data
 
@@ -149,6 +157,9 @@ class Session:
     root: Path
     upstream: dict  # what the weights depend on; a checkpoint of other upstream is refused
     sharded: bool = False  # train.strategy=fsdp: the model is FSDP2-sharded (pipeline/models/fsdp.py), not prepared
+    val_idx: list = field(default_factory=list)  # held-out samples: tau's prompts come from them
+    probe: object = None  # the tau probe (rank 0, made at the first tau step)
+    best: dict = field(default_factory=dict)  # train.select=tau: {"step", "tau", "k"} of the best so far
 
 
 @dataclass
@@ -250,7 +261,8 @@ def _setup(cfg) -> tuple[Session, Plan]:
                  sum(p.numel() for p in trainable))
         if sharded:
             log.info("train: FSDP2, every parameter sharded over %d ranks", accelerator.num_processes)
-    return Session(accelerator, model, optimizer, scheduler, trainable, fwd, store, root, upstream, sharded), plan
+    return Session(accelerator, model, optimizer, scheduler, trainable, fwd, store, root, upstream, sharded,
+                   list(plan.val_idx)), plan
 
 
 def _resume_or_clear(cfg, s: Session) -> Progress:
@@ -271,6 +283,7 @@ def _resume_or_clear(cfg, s: Session) -> Progress:
             raise UserError(f"{refuse} (its tensors have other shapes than this draft's)") from None
         # checkpoints before the global position (all single-process) counted this rank's micro-batches
         p = Progress(state["optimizer_step"], state["epoch"], state.get("packs_done_in_epoch", state.get("batches_done_in_epoch")))
+        s.best = dict(state.get("best_tau") or {})
         world, was = s.accelerator.num_processes, state.get("world_size", 1)
         log.info("train: resumed from %s (step %d, epoch %d, %d packs into it), on %d rank(s)%s", found[0], p.step,
                  p.epoch, p.packs_done, world, f" (it was written by {was})" if was != world else "")
@@ -339,6 +352,9 @@ def _loop(cfg, s: Session, plan: Plan, p: Progress) -> None:
                 if p.step % t.val_every_steps == 0 and p.step < plan.total_steps:
                     _log(acc, metrics_file, {"split": "val", **_validate(s, cfg, plan.val_packs)}, p.step)
                     s.model.train()
+                if t.eval_tau_every_steps and (p.step % t.eval_tau_every_steps == 0 or p.step == plan.total_steps):
+                    _tau(s, cfg, p.step)
+                    s.model.train()
                 saved = p.step % t.save_every_steps == 0 or p.step == plan.total_steps
                 if saved:
                     _save(s, _state(cfg, s, p), t.keep_last)
@@ -358,7 +374,7 @@ def _state(cfg, s: Session, p: Progress) -> dict:
     """What a checkpoint records beside accelerate's state: the global data position and what it was trained on."""
     return {"optimizer_step": p.step, "epoch": p.epoch, "packs_done_in_epoch": p.packs_done,
             "world_size": s.accelerator.num_processes, "grad_accum": cfg.train.grad_accum, "seed": cfg.seed,
-            "upstream": s.upstream}
+            "upstream": s.upstream, "best_tau": s.best or None}
 
 
 class Preemption:
@@ -393,6 +409,39 @@ class Preemption:
             self.previous(self.signum, None)  # submitit: checkpoint() -> requeue -> exit
         else:  # SIG_DFL / SIG_IGN: nothing of submitit's to hand to; stop so a restart resumes
             raise SystemExit(f"train: preemption signal {self.signum}: checkpoint written, stopping")
+
+
+def _tau(s: Session, cfg, step: int) -> None:
+    """tau of the draft as exported (acceptance/in_training.py), logged as split "tau" (rank 0); with
+    train.select=tau a new best is saved to train/best_tau/ (the export takes it)."""
+    acc = s.accelerator
+    weights = fsdp.full_state_dict(s.model) if s.sharded else None  # a collective: every rank gathers
+    if acc.is_main_process:
+        from pipeline.acceptance.in_training import TauProbe
+
+        draft = acc.unwrap_model(s.model)
+        weights = weights if s.sharded else draft.state_dict()
+        if s.probe is None:
+            s.probe = TauProbe(cfg, s.store, s.val_idx)
+        t0 = time.time()
+        taus = s.probe(weights, json.loads(draft.config.to_json_string()))
+        k = select_k(cfg)
+        _log(acc, s.root / "metrics.jsonl", {"split": "tau", **{f"k={j}": v for j, v in taus.items()},
+                                             "seconds": round(time.time() - t0, 2)}, step)
+        if cfg.train.select == Select.tau and taus[k] > s.best.get("tau", float("-inf")):
+            s.best = {"step": step, "tau": taus[k], "k": k}
+            best = s.root / BEST_TAU
+            shutil.rmtree(best, ignore_errors=True)
+            draft.save_pretrained(str(best), **({"state_dict": weights} if s.sharded else {}))
+            (best / "selected.json").write_text(json.dumps(s.best))
+            log.info("train: step %d has the best tau so far at k=%d (%.4f): saved to %s", step, k, taus[k], best)
+    acc.wait_for_everyone()
+
+
+def select_k(cfg) -> int:
+    """The draft length train.select=tau compares at: the server's chain (export.serve.num_steps), within
+    the k evaluated."""
+    return max(1, min(cfg.export.serve.num_steps, cfg.eval.max_draft))
 
 
 def rank_share(packs: list, done: int, rank: int, world: int, grad_accum: int) -> list:
@@ -464,6 +513,8 @@ def _log(accelerator, path: Path, rec: dict, step: int) -> None:
         if rec["split"] == "val":
             log.info("step %d val: %s", step, " ".join(f"{k}={v:.4f}" for k, v in rec.items()
                                                       if k.startswith(("loss", "full_acc"))))
+        if rec["split"] == "tau":
+            log.info("step %d tau: %s", step, " ".join(f"{k}={v:.3f}" for k, v in rec.items() if k.startswith("k=")))
     prefix = rec["split"] + "/"
     accelerator.log({prefix + k: v for k, v in rec.items() if isinstance(v, (int, float))}, step=step)
 
@@ -523,11 +574,22 @@ def _finish(accelerator, model, cfg, root: Path, step: int, final_val: dict, ups
                "split_by_tokens_per_pack": plan.split, "throughput": _throughput(rows),
                "world_size": accelerator.num_processes, "grad_accum": cfg.train.grad_accum,
                "strategy": str(getattr(cfg.train.strategy, "value", cfg.train.strategy)),
+               "selected": _selected(cfg, root, step),
                "config": OmegaConf.to_container(cfg, resolve=True)}
     (final / "train_summary.json").write_text(json.dumps(summary, indent=1, default=str))
     _plot(rows, root / "plots", cfg.train.ttt_steps)
     log.info("train: val full_acc_0 %.4f -> %.4f after %d steps; draft saved to %s",
              first_val["full_acc_0"], final_val["full_acc_0"], step, final)
+
+
+def _selected(cfg, root: Path, step: int) -> dict:
+    """Which weights the export takes: final/ (the last step), or train/best_tau/ (train.select=tau)."""
+    if cfg.train.select != Select.tau:
+        return {"by": "last", "step": step}
+    best = json.loads((root / BEST_TAU / "selected.json").read_text())
+    log.info("train: train.select=tau: the export takes step %d (tau %.4f at k=%d) from %s", best["step"],
+             best["tau"], best["k"], root / BEST_TAU)
+    return {"by": "tau", **best, "path": BEST_TAU}
 
 
 def _throughput(rows: list[dict]) -> dict:
@@ -545,14 +607,18 @@ def _plot(rows: list[dict], out: Path, ttt_steps: int) -> None:
     import matplotlib.pyplot as plt
 
     out.mkdir(parents=True, exist_ok=True)
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    taus = [r for r in rows if r["split"] == "tau"]
+    fig, axes = plt.subplots(1, 3 if taus else 2, figsize=(16 if taus else 11, 4))
+    if taus:  # beside loss and accuracy: what serving gets (issue #17)
+        for key in sorted({k for r in taus for k in r if k.startswith("k=")}, key=lambda k: int(k[2:])):
+            axes[2].plot([r["step"] for r in taus], [r[key] for r in taus], "o-", label=f"tau {key}")
     for part, style in (("train", "-"), ("val", "o--")):
         pts = [r for r in rows if r["split"] == part]
         for k in range(ttt_steps):
             xs = [r["step"] for r in pts]
             axes[0].plot(xs, [r[f"loss_{k}"] for r in pts], style, label=f"{part} loss_{k}")
             axes[1].plot(xs, [r[f"full_acc_{k}"] for r in pts], style, label=f"{part} full_acc_{k}")
-    for ax, title in zip(axes, ("loss per TTT step", "full accuracy per TTT step")):
+    for ax, title in zip(axes, ("loss per TTT step", "full accuracy per TTT step", "tau of the draft as exported")):
         ax.set_title(title)
         ax.set_xlabel("optimizer step")
         ax.legend(fontsize=7)

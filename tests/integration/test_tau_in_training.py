@@ -1,0 +1,68 @@
+"""tau during training (issue #17 item 1): `train.eval_tau_every_steps` logs the tau of the draft as the export
+would serve it; `train.select=tau` exports the step with the highest logged tau (at k = export.serve.num_steps),
+and says so; the tau logged at that step is the tau evaluate measures on the export."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from pipeline.errors import UserError
+from pipeline.runner import run_stages
+
+pytestmark = pytest.mark.slow
+# the target's own answers (regenerated), so the tiny draft learns to be accepted within a few dozen steps
+COMMON = ["+experiment=tiny", "prepare.regenerate=true", "prepare.max_new_tokens=24", "prepare.max_assistant_turns=3",
+          "data.limit=48", "train.max_steps=30", "train.epochs=20", "train.eval_tau_every_steps=6",
+          "train.select=tau", "train.val_every_steps=1000", "export.engines=[sglang]", "export.verify_in_engine=false",
+          "eval.num_prompts=3", "eval.max_new_tokens=12", "eval.max_draft=3", "export.serve.num_steps=2"]
+
+
+@pytest.fixture(scope="module")
+def run(make_cfg, tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("tau_in_training")
+    for stage in ("prepare", "extract", "vocab", "train", "export", "evaluate"):
+        run_stages(make_cfg(*COMMON, f"stage={stage}", run_dir=run_dir))
+    return run_dir
+
+
+def _taus(run_dir):
+    rows = [json.loads(line) for line in (run_dir / "train" / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in rows if r["split"] == "tau"]
+
+
+def test_tau_is_logged_every_n_steps_and_at_the_last_for_every_k(run):
+    taus = _taus(run)
+    assert [r["step"] for r in taus] == [6, 12, 18, 24, 30]
+    assert all({"k=1", "k=2", "k=3"} <= set(r) and all(r[f"k={k}"] >= 1.0 for k in (1, 2, 3)) for r in taus)
+    assert len({r["k=2"] for r in taus}) > 1, "tau never moved: the test cannot tell a selection from a default"
+
+
+def test_select_tau_exports_the_step_with_the_highest_logged_tau(run):
+    taus = _taus(run)
+    best = max(taus, key=lambda r: r["k=2"])  # the first of equal maxima, as train keeps the first
+    summary = json.loads((run / "train" / "final" / "train_summary.json").read_text())
+    assert summary["selected"]["by"] == "tau" and summary["selected"]["k"] == 2
+    assert summary["selected"]["step"] == best["step"] and summary["selected"]["tau"] == best["k=2"]
+    manifest = json.loads((run / "export" / "sglang" / "export_manifest.json").read_text())
+    assert manifest["selected"] == summary["selected"]
+    exported = load_file(str(run / "export" / "sglang" / "model.safetensors"))
+    chosen = load_file(str(run / "train" / "best_tau" / "model.safetensors"))
+    assert torch.equal(exported["fc.weight"], chosen["fc.weight"].bfloat16())
+    if best["step"] != 30:  # the export is not the last step's weights
+        last = load_file(str(run / "train" / "final" / "model.safetensors"))
+        assert not torch.equal(exported["fc.weight"], last["fc.weight"].bfloat16())
+
+
+def test_the_tau_logged_in_training_is_the_tau_evaluate_measures_on_the_export(run):
+    step = json.loads((run / "train" / "final" / "train_summary.json").read_text())["selected"]["step"]
+    logged = next(r for r in _taus(run) if r["step"] == step)
+    measured = json.loads((run / "eval" / "acceptance.json").read_text())["trained"]
+    for k in (1, 2, 3):
+        assert measured[str(k)]["tau"] == pytest.approx(logged[f"k={k}"], abs=1e-9), k
+
+
+def test_select_tau_without_tau_steps_is_refused_in_one_line(make_cfg, tmp_path):
+    with pytest.raises(UserError, match="train.select=tau picks the step of the highest tau: set train.eval_tau_every_steps"):
+        run_stages(make_cfg("+experiment=tiny", "train.select=tau", "stage=train", run_dir=tmp_path))
