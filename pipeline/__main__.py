@@ -43,11 +43,16 @@ def app(cfg: DictConfig) -> None:
 
 def _sweep_job_run_dir(cfg: DictConfig) -> None:
     """In a multirun, job N's run dir is Hydra's job output dir, ${run_dir}/N (conf/hydra/default.yaml): sweep
-    points never share checkpoints or stage records, and a requeued job (same N) resumes in its own."""
+    points never share checkpoints or stage records, and a requeued job (same N) resumes in its own. A run_dir
+    given with an interpolation (`run_dir=runs/lr\${train.lr}`) already names each job: it is kept."""
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
     if not HydraConfig.initialized() or HydraConfig.get().mode != RunMode.MULTIRUN:
+        return
+    given = [o.split("=", 1)[1] for o in HydraConfig.get().overrides.task if o.split("=", 1)[0].lstrip("+~") == "run_dir"]
+    if given and ("${" in given[-1] or "$\\{" in given[-1]):  # names each job itself (run_dir=runs/lr${train.lr})
+        log.info("multirun job %s: run_dir %s (as given)", HydraConfig.get().job.num, cfg.run_dir)
         return
     job_dir = HydraConfig.get().runtime.output_dir
     log.info("multirun job %s (%s): run_dir %s", HydraConfig.get().job.num,

@@ -194,6 +194,9 @@ class TrainConfig:
     ttt_steps: int = 3  # test-time-training unroll: draft positions trained per token
     ttt_step_loss_decay: float = 1.0
     loss: str = "kl_div"  # speculators loss spec (eager implementation)
+    # kl_div over chunks of this many positions, keeping only the logits for the backward (pipeline/models/losses.py:
+    # the same loss and gradients to 1e-6, without 2 fp32 [T, draft vocab] softmaxes per TTT step); null = eager
+    loss_chunk_tokens: Optional[int] = 2048
     # tokens per micro-batch (packed samples, no cross-sample attention); x grad_accum x ranks = tokens per step
     tokens_per_pack: int = 4096
     # a sample longer than a pack is split into windows of tokens_per_pack; each later window repeats this many

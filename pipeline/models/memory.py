@@ -46,9 +46,10 @@ class DraftParams:
     largest_trainable_unit: int = 0  # FSDP: the most gradients held unsharded at once (the decoder layer)
 
 
-def activation_terms(s: DraftShape, bf16: bool) -> dict[str, float]:
+def activation_terms(s: DraftShape, bf16: bool, loss_chunk: int | None = None) -> dict[str, float]:
     """Bytes autograd keeps after the forward, by term. bf16=True: under bf16 autocast (the GPU default), where
-    matmul inputs/outputs are bf16 and the residual stream, norms and softmaxes stay fp32; False: fp32 (CPU)."""
+    matmul inputs/outputs are bf16 and the residual stream, norms and softmaxes stay fp32; False: fp32 (CPU).
+    loss_chunk: train.loss_chunk_tokens (pipeline/models/losses.py) keeps the logits, not two fp32 softmaxes."""
     T, H, I, k = s.tokens, s.hidden, s.intermediate, s.ttt_steps
     q = s.heads * s.head_dim
     c = 2 if bf16 else 4  # matmul-side dtype
@@ -59,7 +60,9 @@ def activation_terms(s: DraftShape, bf16: bool) -> dict[str, float]:
         "attention q, output [T, heads x head_dim]": 2 * T * q * c * k,
         "attention K, V repeated to all heads [j T, heads x head_dim]": 2 * kv_len * q * c,
         "attention mask [T, j T] (dense, sdpa)": T * kv_len * c,
-        "draft/target log-probs [T, draft vocab] fp32": 2 * T * s.draft_vocab * 4 * k,
+        **({"draft/target log-probs [T, draft vocab] fp32": 2 * T * s.draft_vocab * 4 * k} if not loss_chunk else
+           {"draft logits [T, draft vocab] (chunked KL)": T * s.draft_vocab * c * k,
+            "target logits [T, draft vocab], once (chunked KL)": T * s.draft_vocab * c}),
         "rope cos/sin [T, head_dim] fp32 (2 per step)": 2 * T * s.head_dim * 4 * k,
     }
     if bf16:
@@ -72,7 +75,8 @@ def activation_terms(s: DraftShape, bf16: bool) -> dict[str, float]:
     return terms
 
 
-def estimate(s: DraftShape, p: DraftParams, world_size: int = 1, strategy: str = "ddp", bf16: bool = True) -> dict:
+def estimate(s: DraftShape, p: DraftParams, world_size: int = 1, strategy: str = "ddp", bf16: bool = True,
+             loss_chunk: int | None = None) -> dict:
     """Per-rank bytes by part, and the peak (everything at once: the forward's activations, then the
     gradients written while they are released, so their sum bounds the backward)."""
     if strategy not in ("ddp", "fsdp"):
@@ -92,9 +96,9 @@ def estimate(s: DraftShape, p: DraftParams, world_size: int = 1, strategy: str =
     if bf16:
         parts["autocast bf16 copies of trainable weights"] = 2 * p.linear_trainable
     parts["batch (hidden states bf16 + ids, masks)"] = s.tokens * ((s.n_aux + 1) * s.hidden * 2 + 4 * 8)
-    acts = activation_terms(s, bf16)
+    acts = activation_terms(s, bf16, loss_chunk)
     parts["activations (TTT forward, kept for backward)"] = sum(acts.values())
-    parts[LOSS_BACKWARD] = loss_backward_bytes(s)
+    parts[LOSS_BACKWARD] = loss_backward_bytes(s, loss_chunk, bf16)
     # the loss's backward runs first, on top of every activation, before any gradient of a weight exists: the peak
     # holds the larger of the two, not both
     peak = sum(parts.values()) - min(parts[LOSS_BACKWARD], parts["gradients (fp32)"])
@@ -102,12 +106,15 @@ def estimate(s: DraftShape, p: DraftParams, world_size: int = 1, strategy: str =
             "world_size": world_size, "strategy": strategy, "bf16": bf16}
 
 
-LOSS_BACKWARD = "loss backward working set [T, draft vocab] fp32 x7 (not with the gradients)"
+LOSS_BACKWARD = "loss backward working set (not with the gradients)"
 
 
-def loss_backward_bytes(s: DraftShape) -> int:
-    """The KL loss's backward over the draft vocabulary of the last TTT step: about seven [T, Vd] fp32 temporaries
-    (gradients of the log-probs, xlogy, the products), alive at the start of the backward (measured: the peak)."""
+def loss_backward_bytes(s: DraftShape, loss_chunk: int | None = None, bf16: bool = False) -> int:
+    """The KL loss's backward over the draft vocabulary of the last TTT step, alive at the start of the backward
+    (measured: the peak). Eager: about seven [T, Vd] fp32 temporaries (gradients of the log-probs, xlogy, the
+    products). Chunked: the logits' gradient [T, Vd] and three [chunk, Vd] fp32 softmaxes."""
+    if loss_chunk:
+        return s.tokens * s.draft_vocab * (2 if bf16 else 4) + 3 * min(loss_chunk, s.tokens) * s.draft_vocab * 4
     return 7 * s.tokens * s.draft_vocab * 4
 
 

@@ -36,7 +36,7 @@ from pipeline.errors import UserError
 from pipeline.fingerprint import digest, shaping
 from pipeline.formats import checkpoint, vocab_map
 from pipeline.formats import feature_store as fs
-from pipeline.models import draft, fsdp, targets
+from pipeline.models import draft, fsdp, losses, targets
 from pipeline.run_dir import RunDir
 
 log = logging.getLogger(__name__)
@@ -47,7 +47,7 @@ NOT_SHAPING = ("num_workers", "wandb", "resume", "keep_last", "save_every_steps"
 # A checkpoint may also be resumed under another logging/validation cadence or device (train_config_hash).
 # grad_accum: a checkpoint resumes on another number of ranks, where keeping ranks x grad_accum keeps the batch
 RESUMABLE_ACROSS = NOT_SHAPING + ("log_every_steps", "val_every_steps", "device", "grad_accum", "eval_tau_every_steps",
-                                  "select")
+                                  "select", "loss_chunk_tokens")
 BEST_TAU = "best_tau"  # train/best_tau/: the draft at the step of the highest tau so far (train.select=tau)
 
 
@@ -72,6 +72,8 @@ def check(cfg) -> None:
                         f"{t.tokens_per_pack}) (or null: a quarter of it)")
     if not t.lr > 0:
         problems.append(f"train.lr={t.lr} must be > 0")
+    if t.loss_chunk_tokens is not None and t.loss_chunk_tokens < 1:
+        problems.append(f"train.loss_chunk_tokens={t.loss_chunk_tokens} must be >= 1 (or null: speculators' eager loss)")
     if t.eval_tau_every_steps is not None and t.eval_tau_every_steps < 1:
         problems.append(f"train.eval_tau_every_steps={t.eval_tau_every_steps} must be >= 1 (or null: off)")
     if t.select == Select.tau and t.eval_tau_every_steps is None:
@@ -96,7 +98,7 @@ def _shaping(t, leave_out: tuple[str, ...]) -> dict:
     draft, DDP, offline features, no tau, select=last), so runs trained before it existed are not retrained."""
     data = shaping(t, leave_out)
     for key, default in (("draft_arch", "llama"), ("strategy", "ddp"), ("features", "offline"),
-                         ("eval_tau_every_steps", None), ("select", "last")):  # knobs added later, at their defaults
+                         ("eval_tau_every_steps", None), ("select", "last"), ("loss_chunk_tokens", 2048)):  # knobs added later, at their defaults
         if key in data and data[key] == default:
             data.pop(key)
     return data
@@ -207,7 +209,6 @@ def _plan(cfg, store: fs.FeatureStore, rank: int, world: int) -> Plan:
 
 def _setup(cfg) -> tuple[Session, Plan]:
     from accelerate.utils import set_seed
-    from speculators.losses.utils import resolve_loss_config
     from transformers import get_scheduler
 
     t = cfg.train
@@ -247,7 +248,7 @@ def _setup(cfg) -> tuple[Session, Plan]:
         model, optimizer = accelerator.prepare(model, optimizer)
         accelerator.register_for_checkpointing(scheduler)
     fwd = dict(ttt_steps=t.ttt_steps, ttt_step_loss_decay=t.ttt_step_loss_decay,
-               loss_config=resolve_loss_config(t.loss, "eager"))
+               loss_config=losses.loss_config(t.loss, t.loss_chunk_tokens))
     root = out_dir(cfg)
     root.mkdir(parents=True, exist_ok=True)
     upstream = {"features_manifest_hash": store.manifest_hash(), "vocab_coverage": vman["coverage"],

@@ -50,7 +50,8 @@ def compute(cfg) -> dict:
     model = draft.build_on_meta(cfg.target, shape.draft_vocab, aux, shape.ttt_steps)
     params = memory.draft_params(model)
     strategy = str(getattr(cfg.train.strategy, "value", cfg.train.strategy))
-    est = memory.estimate(shape, params, p.world_size, strategy, bf16=p.precision == "bf16")
+    est = memory.estimate(shape, params, p.world_size, strategy, bf16=p.precision == "bf16",
+                          loss_chunk=cfg.train.loss_chunk_tokens)
     est.update(target=cfg.target.name, shape=shape.__dict__, params=params.__dict__, aux_layer_ids=aux,
                gpu_memory_gib=p.gpu_memory_gib, fits=est["peak"] <= p.gpu_memory_gib * memory.GIB)
     return est
@@ -74,4 +75,5 @@ def run(cfg) -> None:
     verdict = "fits" if est["fits"] else "does NOT fit"
     print(f"draft: {p['trainable']:,} trainable + {p['frozen']:,} frozen parameters (aux layers "
           f"{est['aux_layer_ids']}); {verdict} in {est['gpu_memory_gib']:g} GiB")
+    print(f"loss: {'chunked KL, ' + str(cfg.train.loss_chunk_tokens) + ' positions a chunk' if cfg.train.loss_chunk_tokens else 'eager (train.loss_chunk_tokens=null)'}")
     print("json: " + json.dumps({k: est[k] for k in ("target", "world_size", "strategy", "bf16", "peak", "fits")}))

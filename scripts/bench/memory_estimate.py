@@ -78,18 +78,19 @@ def main() -> None:
                   f"MiB, bound x{r['peak_ratio']:.3f}", flush=True)
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
         for target, tokens, ttt, vocab in PLANS:
-            for world, strategy in ((1, "ddp"), (8, "ddp"), (8, "fsdp")):
+            for (world, strategy), chunk in ((w, c) for w in ((1, "ddp"), (8, "ddp"), (8, "fsdp")) for c in ("null", 2048)):
                 cfg = compose(config_name="config", overrides=[
                     f"target={target}", f"train.tokens_per_pack={tokens}", f"train.ttt_steps={ttt}",
                     f"vocab.draft_vocab_size={vocab}", f"plan.world_size={world}", f"train.strategy={strategy}",
-                    "run_dir=/tmp/unused", "cache_dir=/tmp/unused"])
+                    f"train.loss_chunk_tokens={chunk}", "run_dir=/tmp/unused", "cache_dir=/tmp/unused"])
                 est = plan.compute(cfg)
                 row = {"target": target, "tokens_per_pack": tokens, "ttt_steps": ttt, "draft_vocab": vocab,
-                       "world_size": world, "strategy": strategy, "peak_gib": round(est["peak"] / 2**30, 2),
+                       "world_size": world, "strategy": strategy, "loss": "eager" if chunk == "null" else f"chunked {chunk}",
+                       "peak_gib": round(est["peak"] / 2**30, 2),
                        "activations_gib": round(est["parts"]["activations (TTT forward, kept for backward)"] / 2**30, 2),
                        "params": est["params"], "fits_139_gib": est["fits"]}
                 out["plans"].append(row)
-                print(f"{target:10s} T={tokens:6d} TTT {ttt} {world} x {strategy}: peak {row['peak_gib']:7.2f} GiB "
+                print(f"{target:10s} T={tokens:6d} TTT {ttt} {world} x {strategy} {row['loss']:12s}: peak {row['peak_gib']:7.2f} GiB "
                       f"(activations {row['activations_gib']:.2f})", flush=True)
     path = ROOT / "scripts" / "bench" / "results" / "memory_estimate.json"
     path.write_text(json.dumps(out, indent=1))
