@@ -44,7 +44,7 @@ def app(cfg: DictConfig) -> None:
 def _sweep_job_run_dir(cfg: DictConfig) -> None:
     """In a multirun, job N's run dir is Hydra's job output dir, ${run_dir}/N (conf/hydra/default.yaml): sweep
     points never share checkpoints or stage records, and a requeued job (same N) resumes in its own. A run_dir
-    given with an interpolation (`run_dir=runs/lr\${train.lr}`) already names each job: it is kept."""
+    given with an interpolation of the swept key (runs/lr + train.lr's value) already names each job: kept."""
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 

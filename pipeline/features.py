@@ -91,9 +91,10 @@ class OnlineFeatures:
     `sample(i)` (and `prefetch` for a whole pack, in one padded forward) runs the target on `device`."""
 
     def __init__(self, facts: dict, ds, folder: Path, target_cfg, device: torch.device, dtype: torch.dtype,
-                 attn: str):
+                 attn: str, batch_tokens: int = 16384, max_batch_size: int = 64):
         self.facts, self._ds, self._folder, self._target_cfg = facts, ds, folder, target_cfg
         self.device, self._dtype, self._attn = device, dtype, attn
+        self._batch_tokens, self._max_batch = batch_tokens, max_batch_size  # extract's batch limits
         self._capture: Optional[Capture] = None
         self._cache: dict[int, dict] = {}
         self.root = None  # no files: a DataLoader gets this object, not a path
@@ -114,7 +115,7 @@ class OnlineFeatures:
         device, dtype = targets.pick_device_dtype(cfg.train.device, ex.dtype)
         tok = targets.load_tokenizer(folder, cfg.target)
         return cls(facts(cfg, folder, model_cfg, tok, stats, aux, dtype, len(ds)), ds, folder, cfg.target, device,
-                   dtype, ex.attn_implementation)
+                   dtype, ex.attn_implementation, ex.batch_tokens, ex.max_batch_size)
 
     # ---- the FeatureStore's reading interface
     def __len__(self) -> int:
@@ -129,7 +130,9 @@ class OnlineFeatures:
         return int(self.facts["hidden_size"])
 
     def manifest_hash(self) -> str:
-        return digest(self.facts)
+        """Stands for the store's manifest hash (vocab records it, train checks it). Without compute_dtype: it
+        follows the host (fp32 on a CPU, bf16 on a GPU), and vocab may well run on another host than train."""
+        return digest({k: v for k, v in self.facts.items() if k != "compute_dtype"})
 
     def sample_lengths(self) -> np.ndarray:
         return np.array([len(x) for x in self._ds["input_ids"]], dtype=np.int64)
@@ -154,14 +157,28 @@ class OnlineFeatures:
         holds only these afterwards (a pack's samples)."""
         keep = {i: self._cache[i] for i in ids if i in self._cache}
         need = sorted({int(i) for i in ids} - set(keep), key=lambda i: (-len(self._ds[i]["input_ids"]), i))
-        if need:
-            rows = [self.tokens(i) for i in need]
-            input_ids, attn = pad_batch([r["input_ids"] for r in rows])
-            aux, last = self._target()(input_ids.to(self.device), attn.to(self.device))
-            for r, (i, row) in enumerate(zip(need, rows)):
-                n = len(row["input_ids"])
-                keep[i] = {**row, "aux_hidden": aux[r, :n].clone(), "last_hidden": last[r, :n].clone()}
+        rows = {i: self.tokens(i) for i in need}
+        for group in self._batches([len(rows[i]["input_ids"]) for i in need]):  # longest first, as extract
+            ids = [need[j] for j in group]
+            input_ids, attn = pad_batch([rows[i]["input_ids"] for i in ids])
+            capture = self._target()
+            aux, last = capture(input_ids.to(self.device), attn.to(self.device))
+            for r, i in enumerate(ids):
+                n = len(rows[i]["input_ids"])
+                keep[i] = {**rows[i], "aux_hidden": aux[r, :n].clone(), "last_hidden": last[r, :n].clone()}
+            capture.release()  # the padded states: not kept through the draft's forward and backward
         self._cache = keep
+
+    def _batches(self, lengths: list[int]) -> list[list[int]]:
+        """Positions of `lengths` (sorted longest first) in groups of padded size <= extract.batch_tokens."""
+        groups, current = [], []
+        for j, n in enumerate(lengths):
+            if current and ((len(current) + 1) * lengths[current[0]] > self._batch_tokens
+                            or len(current) >= self._max_batch):
+                groups.append(current)
+                current = []
+            current.append(j)
+        return groups + ([current] if current else [])
 
     def _target(self) -> Capture:
         if self._capture is None:  # loaded on the first states asked for: vocab/export/evaluate never load it

@@ -77,6 +77,10 @@ class Capture:
         self.base(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
         return self.states()
 
+    def release(self) -> None:
+        """Drop the latest forward's states (the caller copied what it needs)."""
+        self._seen.clear()
+
     def remove(self) -> None:
         for h in self.handles:
             h.remove()

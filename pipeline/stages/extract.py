@@ -17,6 +17,7 @@ import logging
 import os
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from datetime import timedelta
 from pathlib import Path
 from typing import Optional
 
@@ -172,9 +173,10 @@ def run(cfg) -> Path:
             return out_dir(cfg)
     with fs.manifest_lock(out_dir(cfg)):
         manifest = fs.read_manifest(out_dir(cfg))
-        missing = len(shards) - len(manifest["shards"])
+        missing = {s.sample_start for s in shards} - {s["sample_start"] for s in manifest["shards"]}
         if missing:  # never marked complete with a hole (a rank that returned early would leave one)
-            raise RuntimeError(f"extract: {missing} planned shard(s) are not in the manifest at the end")
+            raise RuntimeError(f"extract: {len(missing)} planned shard(s) are not in the manifest at the end "
+                               f"(first at sample {min(missing)})")
         manifest["complete"] = True
         fs.write_manifest(out_dir(cfg), manifest)
     return out_dir(cfg)
@@ -194,8 +196,8 @@ def _process_group():
     gloo group, whatever the device, since nothing but the barriers crosses between ranks."""
     import torch.distributed as dist
 
-    if not dist.is_initialized():
-        dist.init_process_group("gloo")
+    if not dist.is_initialized():  # rank 0 may verify or delete a whole store before the first barrier: hours
+        dist.init_process_group("gloo", timeout=timedelta(hours=24))
     return dist
 
 

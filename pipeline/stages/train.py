@@ -115,7 +115,8 @@ def load_inputs(cfg):
     except vocab_map.VocabError as e:
         raise UserError(f"{e}; run stage=vocab first") from None
     if vman["features_manifest_hash"] != store.manifest_hash():
-        raise UserError(f"{cfg.run_dir}/vocab was built from other features than {store.root}; rerun stage=vocab")
+        raise UserError(f"{cfg.run_dir}/vocab was built from other features than "
+                        f"{store.root or 'this run computes online (train.features=online)'}; rerun stage=vocab")
     return store, d2t, t2d, vman
 
 
@@ -177,6 +178,8 @@ def run(cfg) -> Path:
     progress = _resume_or_clear(cfg, s)
     _start_logging(cfg, s, plan, progress)
     _loop(cfg, s, plan, progress)
+    if cfg.train.select == Select.tau and not s.best:  # resumed at the last step with select=tau just turned on
+        _tau(s, cfg, progress.step)
     final_val = _validate(s, cfg, plan.val_packs)
     _log(s.accelerator, s.root / "metrics.jsonl", {"split": "val", **final_val}, progress.step)
     _finish(s.accelerator, s.model, cfg, s.root, progress.step, final_val, s.upstream, plan)
@@ -317,10 +320,17 @@ def _start_logging(cfg, s: Session, plan: Plan, p: Progress) -> None:
 
 def _loop(cfg, s: Session, plan: Plan, p: Progress) -> None:
     """Epochs of micro-batches from p onwards; logs, validates and checkpoints on the configured steps."""
+    preemption = Preemption()
+    try:
+        _epochs(cfg, s, plan, p, preemption)
+    finally:  # submitit's handler back, for what follows the loop (validation, final/, other stages)
+        preemption.close()
+
+
+def _epochs(cfg, s: Session, plan: Plan, p: Progress, preemption) -> None:
     t, acc = cfg.train, s.accelerator
     metrics_file = s.root / "metrics.jsonl"
     window, t0, window_tokens = defaultdict(float), time.time(), 0
-    preemption = Preemption()
     # the bar is closed (its line ended) on an error too, so the one-line error starts a line of its own
     with tqdm(total=plan.total_steps, initial=p.step, disable=not acc.is_local_main_process, desc="train") as bar:
         while p.step < plan.total_steps and p.epoch < t.epochs:
@@ -404,10 +414,20 @@ class Preemption:
         flag = torch.tensor([float(self.requested)], device=accelerator.device)
         return float(accelerator.reduce(flag, reduction="sum")) > 0
 
-    def hand_over(self) -> None:
+    def close(self) -> None:
+        """The loop is over: submitit's handler back; a signal that came after the last checkpoint is handed on
+        now (the requeued job resumes at the end and only finishes)."""
+        if self.previous is None:
+            return
         signal.signal(self.signum, self.previous)
-        if callable(self.previous):
-            self.previous(self.signum, None)  # submitit: checkpoint() -> requeue -> exit
+        if self.requested and callable(self.previous):
+            self.previous(self.signum, None)
+
+    def hand_over(self) -> None:
+        previous, self.previous = self.previous, None  # handed on once: close() has nothing left to do
+        signal.signal(self.signum, previous)
+        if callable(previous):
+            previous(self.signum, None)  # submitit: checkpoint() -> requeue -> exit
         else:  # SIG_DFL / SIG_IGN: nothing of submitit's to hand to; stop so a restart resumes
             raise SystemExit(f"train: preemption signal {self.signum}: checkpoint written, stopping")
 
