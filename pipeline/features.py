@@ -68,6 +68,27 @@ def facts(cfg, folder: Path, model_cfg, tok, stats: dict, aux: list[int], dtype:
     return out
 
 
+def capture_inputs(cfg):
+    """What capturing states needs, checked once for extract and the online source alike: (target folder, its
+    config, aux ids, the prepared dataset, its stats, the tokenizer)."""
+    folder = targets.resolve(cfg.target, cfg.cache_dir)
+    model_cfg = targets.load_config(folder, cfg.target)
+    aux = aux_layer_ids(cfg.extract.aux_layers, model_cfg.num_hidden_layers)
+    ds, stats = prepared.load(cfg.run_dir, cfg.extract.limit)
+    if stats["target_fingerprint"] != targets.fingerprint(folder):
+        raise UserError(f"prepared data in {cfg.run_dir}/prepared was tokenized for another target "
+                        f"({stats['target_path']}); rerun stage=prepare or use another run_dir")
+    return folder, model_cfg, aux, ds, stats, targets.load_tokenizer(folder, cfg.target)
+
+
+def online_problem(cfg) -> Optional[str]:
+    """Why these settings cannot train online (None: they can)."""
+    if online(cfg) and (fp8(cfg) or str(getattr(cfg.extract.backend, "value", cfg.extract.backend)) != "hf"):
+        return ("train.features=online captures with the hf backend in bf16; extract.backend=sglang and "
+                "extract.store_dtype=fp8_e4m3 describe a feature store: use train.features=offline")
+    return None
+
+
 def open_source(cfg):
     """The states the later stages read: the feature store (offline) or the online source."""
     if not online(cfg):
@@ -79,14 +100,14 @@ def fingerprint_text(cfg) -> Optional[str]:
     """What downstream fingerprints hash for the states: the store's manifest text, or the online facts."""
     if online(cfg):
         try:
-            return json.dumps(OnlineFeatures.of(cfg, load=False).facts, sort_keys=True)
+            return json.dumps(OnlineFeatures.of(cfg).facts, sort_keys=True)
         except UserError:
             return None  # nothing prepared yet: the stage that needs it says so when it runs
     manifest = RunDir.of(cfg).features / fs.MANIFEST
     return manifest.read_text() if manifest.exists() else None
 
 
-class OnlineFeatures:
+class OnlineFeatures(fs.FactsView):
     """The feature store's reading interface over prepared/ and the target: `tokens(i)` reads prepared/ only;
     `sample(i)` (and `prefetch` for a whole pack, in one padded forward) runs the target on `device`."""
 
@@ -100,34 +121,19 @@ class OnlineFeatures:
         self.root = None  # no files: a DataLoader gets this object, not a path
 
     @classmethod
-    def of(cls, cfg, load: bool = True) -> OnlineFeatures:
+    def of(cls, cfg) -> OnlineFeatures:
+        """The source for these settings; nothing heavy is loaded (the target waits for the first states)."""
+        if problem := online_problem(cfg):
+            raise UserError(problem)
         ex = cfg.extract
-        if str(getattr(ex.backend, "value", ex.backend)) != "hf" or fp8(cfg):
-            raise UserError("train.features=online captures with the hf backend in bf16; extract.backend=sglang and "
-                            "extract.store_dtype=fp8_e4m3 describe a feature store: use train.features=offline")
-        folder = targets.resolve(cfg.target, cfg.cache_dir)
-        model_cfg = targets.load_config(folder, cfg.target)
-        aux = aux_layer_ids(ex.aux_layers, model_cfg.num_hidden_layers)
-        ds, stats = prepared.load(cfg.run_dir, ex.limit)
-        if stats["target_fingerprint"] != targets.fingerprint(folder):
-            raise UserError(f"prepared data in {cfg.run_dir}/prepared was tokenized for another target "
-                            f"({stats['target_path']}); rerun stage=prepare or use another run_dir")
+        folder, model_cfg, aux, ds, stats, tok = capture_inputs(cfg)
         device, dtype = targets.pick_device_dtype(cfg.train.device, ex.dtype)
-        tok = targets.load_tokenizer(folder, cfg.target)
         return cls(facts(cfg, folder, model_cfg, tok, stats, aux, dtype, len(ds)), ds, folder, cfg.target, device,
                    dtype, ex.attn_implementation, ex.batch_tokens, ex.max_batch_size)
 
-    # ---- the FeatureStore's reading interface
+    # ---- the FeatureStore's reading interface (aux_layer_ids, hidden_size: fs.FactsView)
     def __len__(self) -> int:
         return len(self._ds)
-
-    @property
-    def aux_layer_ids(self) -> list[int]:
-        return list(self.facts["aux_layer_ids"])
-
-    @property
-    def hidden_size(self) -> int:
-        return int(self.facts["hidden_size"])
 
     def manifest_hash(self) -> str:
         """Stands for the store's manifest hash (vocab records it, train checks it). Without compute_dtype: it

@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from pipeline.models import draft  # noqa: E402
 from pipeline.config import register  # noqa: E402
-from pipeline.stages.extract import aux_layer_ids  # noqa: E402
+from pipeline.engines.hf_capture import aux_layer_ids  # noqa: E402
 
 register()
 with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):

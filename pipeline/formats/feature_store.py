@@ -294,7 +294,21 @@ class ShardWriter:
 
 
 # ------------------------------------------------------------------------------------------------- reader
-class FeatureStore:
+class FactsView:
+    """What a source of states says about itself, read from its `facts` (the store and the online source)."""
+
+    facts: dict
+
+    @property
+    def aux_layer_ids(self) -> list[int]:
+        return list(self.facts["aux_layer_ids"])
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.facts["hidden_size"])
+
+
+class FeatureStore(FactsView):
     """Read-only view over the committed shards of a store."""
 
     def __init__(self, root: Path | str):
@@ -316,14 +330,6 @@ class FeatureStore:
 
     def __len__(self) -> int:
         return self.num_samples
-
-    @property
-    def aux_layer_ids(self) -> list[int]:
-        return list(self.facts["aux_layer_ids"])
-
-    @property
-    def hidden_size(self) -> int:
-        return int(self.facts["hidden_size"])
 
     def _group(self, name: str):
         if name not in self._groups:

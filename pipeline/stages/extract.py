@@ -27,11 +27,10 @@ from omegaconf import OmegaConf
 from tqdm import tqdm
 
 from pipeline import features
-from pipeline.engines.hf_capture import Capture, aux_layer_ids, pad_batch
+from pipeline.engines.hf_capture import Capture, pad_batch
 from pipeline.errors import UserError
 from pipeline.fingerprint import digest
 from pipeline.formats import feature_store as fs
-from pipeline.formats import prepared
 from pipeline.models import targets
 from pipeline.run_dir import RunDir
 
@@ -124,14 +123,7 @@ def ranks() -> tuple[int, int]:
 def run(cfg) -> Path:
     check(cfg)
     ex = cfg.extract
-    folder = targets.resolve(cfg.target, cfg.cache_dir)
-    model_cfg = targets.load_config(folder, cfg.target)
-    aux = aux_layer_ids(ex.aux_layers, model_cfg.num_hidden_layers)
-    ds, stats = prepared.load(cfg.run_dir, ex.limit)
-    if stats["target_fingerprint"] != targets.fingerprint(folder):
-        raise UserError(f"prepared data in {cfg.run_dir}/prepared was tokenized for another target "
-                        f"({stats['target_path']}); rerun stage=prepare or use another run_dir")
-    tok = targets.load_tokenizer(folder, cfg.target)
+    folder, model_cfg, aux, ds, stats, tok = features.capture_inputs(cfg)
     rank, world = ranks()
     data_parallel = world > 1 and backend(cfg) == "hf"  # sglang: the ranks are ONE tensor-parallel engine
     device, dtype = targets.pick_device_dtype(ex.device, ex.dtype)

@@ -78,9 +78,8 @@ def check(cfg) -> None:
         problems.append(f"train.eval_tau_every_steps={t.eval_tau_every_steps} must be >= 1 (or null: off)")
     if t.select == Select.tau and t.eval_tau_every_steps is None:
         problems.append("train.select=tau picks the step of the highest tau: set train.eval_tau_every_steps too")
-    if features.online(cfg) and (features.fp8(cfg) or str(getattr(cfg.extract.backend, "value", cfg.extract.backend)) != "hf"):
-        problems.append("train.features=online captures with the hf backend in bf16; extract.backend=sglang and "
-                        "extract.store_dtype=fp8_e4m3 describe a feature store: use train.features=offline")
+    if problem := features.online_problem(cfg):
+        problems.append(problem)
     if not 0 <= t.val_fraction < 1:
         problems.append(f"train.val_fraction={t.val_fraction} must be in [0, 1)")
     if problems:

@@ -16,6 +16,7 @@ import logging
 from rich.console import Console
 from rich.table import Table
 
+from pipeline.engines.hf_capture import aux_layer_ids
 from pipeline.errors import UserError
 from pipeline.models import draft, memory
 
@@ -44,8 +45,6 @@ def compute(cfg) -> dict:
     if p.precision not in ("bf16", "fp32"):
         raise UserError(f"plan.precision={p.precision!r}: bf16 (GPU) or fp32 (CPU)")
     shape = shape_of(cfg)
-    from pipeline.stages.extract import aux_layer_ids  # the one home of the default aux-layer rule
-
     aux = aux_layer_ids(cfg.extract.aux_layers, cfg.target.num_layers)
     model = draft.build_on_meta(cfg.target, shape.draft_vocab, aux, shape.ttt_steps)
     params = memory.draft_params(model)

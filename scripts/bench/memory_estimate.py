@@ -13,7 +13,6 @@ import platform
 import sys
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 from hydra import compose, initialize_config_dir
@@ -21,7 +20,7 @@ from hydra import compose, initialize_config_dir
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 from pipeline.config import register  # noqa: E402
-from pipeline.models import draft, memory  # noqa: E402
+from pipeline.models import memory  # noqa: E402
 from pipeline.tools import plan  # noqa: E402
 
 MEASURED = {  # name: (H, I, heads, kv heads, head dim, draft vocab, target vocab, tokens, TTT steps)
@@ -33,33 +32,16 @@ PLANS = [("smollm2", 2048, 3, 2048), ("llama3_8b", 8192, 7, 32000), ("llama3_8b"
 
 
 def measure(H, I, nh, nkv, hd, Vd, V, T, k, bf16: bool) -> dict:
-    from speculators.losses.utils import resolve_loss_config
-
-    shape = SimpleNamespace(vocab_size=V, hidden_size=H, intermediate_size=I, num_attention_heads=nh,
-                            num_key_value_heads=nkv, head_dim=hd, rms_norm_eps=1e-6, max_position_embeddings=65536,
-                            architectures=[])
-    torch.manual_seed(0)
-    model = draft.build(None, shape, [1, 2, 3], None, None, k, attn="sdpa", load_target_weights=False,
-                        draft_vocab_size=Vd)
-    model.d2t, model.t2d = torch.zeros(Vd, dtype=torch.long), torch.zeros(V, dtype=torch.bool)
-    batch = dict(hidden_states=torch.randn(1, T, 3 * H), input_ids=torch.randint(0, V, (1, T)),
-                 document_ids=torch.zeros(1, T, dtype=torch.long), loss_mask=torch.ones(1, T, dtype=torch.bool),
-                 position_ids=torch.arange(T)[None], verifier_last_hidden_states=torch.randn(1, T, H))
-    live = memory.LiveTensors([*model.parameters(), *model.buffers(), *batch.values()])
-    t0 = time.time()
-    with live, torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-        _, loss, _ = model(**batch, ttt_steps=k, loss_config=resolve_loss_config("kl_div", "eager"))
-        after_forward = live.now
-        loss.backward()
-    params = memory.draft_params(model)
     s = memory.DraftShape(T, k, H, I, nh, nkv, hd, Vd)
+    t0 = time.time()
+    after_forward, peak, params = memory.measure_draft(s, bf16, vocab=V, loss_chunk=None)  # speculators' eager loss
     acts = sum(memory.activation_terms(s, bf16).values()) + (2 * params.linear_trainable if bf16 else 0)
     bound = acts + max(4 * params.trainable, memory.loss_backward_bytes(s))
     return {"precision": "bf16 autocast" if bf16 else "fp32", "seconds": round(time.time() - t0, 1),
             "measured_after_forward_bytes": after_forward, "estimated_after_forward_bytes": acts,
             "after_forward_ratio": round(acts / after_forward, 4),
-            "measured_peak_bytes": live.peak, "estimated_peak_bytes": bound,
-            "peak_ratio": round(bound / live.peak, 4)}
+            "measured_peak_bytes": peak, "estimated_peak_bytes": bound,
+            "peak_ratio": round(bound / peak, 4)}
 
 
 def main() -> None:

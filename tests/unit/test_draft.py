@@ -1,5 +1,5 @@
 from pipeline.models import draft
-from pipeline.stages.extract import aux_layer_ids
+from pipeline.engines.hf_capture import aux_layer_ids
 
 
 def test_kimi_k25_draft_builds_on_meta_with_the_seed_shape(make_cfg):

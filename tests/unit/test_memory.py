@@ -5,12 +5,9 @@ shows) runs one TTT forward and backward under LiveTensors, in fp32 and under bf
 setting). After the forward, the live bytes are the activations (+ autocast's cached bf16 weights); the peak of
 the backward is bounded by activations + gradients (+ the cache)."""
 
-from types import SimpleNamespace
-
 import pytest
-import torch
 
-from pipeline.models import draft, memory
+from pipeline.models import memory
 
 SHAPES = [  # H, I, heads, kv heads, head dim, draft vocab, tokens, TTT steps
     (384, 896, 6, 2, 80, 1200, 256, 3),
@@ -18,33 +15,11 @@ SHAPES = [  # H, I, heads, kv heads, head dim, draft vocab, tokens, TTT steps
 ]
 
 
-def _measure(H, I, nh, nkv, hd, Vd, T, k, bf16: bool):
-    from speculators.losses.utils import resolve_loss_config
-
-    V = 2048
-    shape = SimpleNamespace(vocab_size=V, hidden_size=H, intermediate_size=I, num_attention_heads=nh,
-                            num_key_value_heads=nkv, head_dim=hd, rms_norm_eps=1e-6, max_position_embeddings=4096,
-                            architectures=[])
-    torch.manual_seed(0)
-    model = draft.build(None, shape, [1, 2, 3], None, None, k, attn="sdpa", load_target_weights=False,
-                        draft_vocab_size=Vd)
-    model.d2t, model.t2d = torch.zeros(Vd, dtype=torch.long), torch.zeros(V, dtype=torch.bool)
-    batch = dict(hidden_states=torch.randn(1, T, 3 * H), input_ids=torch.randint(0, V, (1, T)),
-                 document_ids=torch.zeros(1, T, dtype=torch.long), loss_mask=torch.ones(1, T, dtype=torch.bool),
-                 position_ids=torch.arange(T)[None], verifier_last_hidden_states=torch.randn(1, T, H))
-    live = memory.LiveTensors([*model.parameters(), *model.buffers(), *batch.values()])
-    with live, torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-        _, loss, _ = model(**batch, ttt_steps=k, loss_config=resolve_loss_config("kl_div", "eager"))
-        after_forward = live.now
-        loss.backward()
-    return after_forward, live.peak, memory.draft_params(model)
-
-
 @pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("dims", SHAPES, ids=["wide-heads", "long-ttt"])
 def test_the_activation_terms_are_what_the_real_draft_keeps(dims, bf16):
-    after_forward, peak, params = _measure(*dims, bf16)
     s = memory.DraftShape(dims[6], dims[7], *dims[:6])  # tokens, TTT steps, then the layer's dims
+    after_forward, peak, params = memory.measure_draft(s, bf16)
     acts = sum(memory.activation_terms(s, bf16).values())
     cache = 2 * params.linear_trainable if bf16 else 0
     assert abs(acts + cache - after_forward) <= 0.01 * after_forward, (acts + cache, after_forward)
