@@ -330,6 +330,7 @@ def _epochs(cfg, s: Session, plan: Plan, p: Progress, preemption) -> None:
     t, acc = cfg.train, s.accelerator
     metrics_file = s.root / "metrics.jsonl"
     window, t0, window_tokens = defaultdict(float), time.time(), 0
+    start = t0  # wall_s: seconds since this process's loop began (validation and checkpoints included)
     # the bar is closed (its line ended) on an error too, so the one-line error starts a line of its own
     with tqdm(total=plan.total_steps, initial=p.step, disable=not acc.is_local_main_process, desc="train") as bar:
         while p.step < plan.total_steps and p.epoch < t.epochs:
@@ -355,7 +356,8 @@ def _epochs(cfg, s: Session, plan: Plan, p: Progress, preemption) -> None:
                 if p.step % t.log_every_steps == 0 or p.step == plan.total_steps:
                     rec = {"split": "train", **_summarise({k: float(v) for k, v in window.items()}, t.ttt_steps),
                            "lr": s.scheduler.get_last_lr()[0], "epoch": p.epoch,
-                           "tokens_per_s": window_tokens * acc.num_processes / (time.time() - t0)}
+                           "tokens_per_s": window_tokens * acc.num_processes / (time.time() - t0),
+                           "wall_s": round(time.time() - start, 2)}
                     bar.set_description(f"train|ep {p.epoch}|step {p.step}|loss {rec['loss']:.3f}")
                     _log(acc, metrics_file, rec, p.step)
                     window, t0, window_tokens = defaultdict(float), time.time(), 0
@@ -592,6 +594,7 @@ def _finish(accelerator, model, cfg, root: Path, step: int, final_val: dict, ups
                "val_before": first_val, "val_after": final_val,
                "val_samples": [int(i) for i in plan.val_idx],  # held out by sample; evaluate prompts from these
                "split_by_tokens_per_pack": plan.split, "throughput": _throughput(rows),
+               "peak_memory": _peak_memory(accelerator.device),
                "world_size": accelerator.num_processes, "grad_accum": cfg.train.grad_accum,
                "strategy": str(getattr(cfg.train.strategy, "value", cfg.train.strategy)),
                "selected": _selected(cfg, root, step),
@@ -610,6 +613,15 @@ def _selected(cfg, root: Path, step: int) -> dict:
     log.info("train: train.select=tau: the export takes step %d (tau %.4f at k=%d) from %s", best["step"],
              best["tau"], best["k"], root / BEST_TAU)
     return {"by": "tau", **best, "path": BEST_TAU}
+
+
+def _peak_memory(device) -> dict:
+    """Rank 0's peak CUDA allocation over the whole stage (draft, optimizer, activations; with
+    train.features=online the target replica too); {} off CUDA."""
+    if getattr(device, "type", str(device)) != "cuda" or not torch.cuda.is_available():
+        return {}
+    return {"device": torch.cuda.get_device_name(device), "max_allocated_bytes": torch.cuda.max_memory_allocated(device),
+            "max_reserved_bytes": torch.cuda.max_memory_reserved(device)}
 
 
 def _throughput(rows: list[dict]) -> dict:
