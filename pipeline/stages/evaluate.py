@@ -56,7 +56,7 @@ def is_complete(cfg) -> bool:
 def check(cfg) -> None:
     """Every problem with the eval settings, before acceptance.json / online.json is replaced."""
     e, problems = cfg.eval, []
-    for key in ("num_prompts", "max_new_tokens", "max_draft", "endpoint_concurrency", "batch_size"):
+    for key in ("num_prompts", "max_new_tokens", "max_draft", "endpoint_concurrency", "batch_size", "first_answer_tokens"):
         if e[key] < 1:
             problems.append(f"eval.{key}={e[key]} must be >= 1")
     if e.prompt_tokens < 2:
@@ -78,7 +78,7 @@ def run(cfg) -> Path:
     bench = online_bench if e.endpoint else offline_bench
     for name in e.sets:
         prompts = (heldout_prompts(cfg, store, e.num_prompts, e.prompt_tokens) if name == prompt_sets.HELDOUT
-                   else set_prompts(cfg, store, name, e.num_prompts, e.prompt_tokens))
+                   else set_prompts(cfg, store, name, e.num_prompts, e.prompt_tokens, bench))
         log.info("evaluate: set %s, %d prompts", name, len(prompts))
         bench.measure(cfg, store, prompts, set_dir(cfg, name))
     if not e.endpoint:
@@ -86,28 +86,47 @@ def run(cfg) -> Path:
     return out_dir(cfg)
 
 
-def set_prompts(cfg, store, name: str, n: int, prompt_tokens: int) -> list[list[int]]:
-    """The first n prompts of a standard set that fit prompt_tokens, each one user message through the target's
-    chat template; the ones too long are counted in the log."""
+def set_prompts(cfg, store, name: str, n: int, prompt_tokens: int, bench=None) -> list[list[int]]:
+    """The first n prompts of a standard set that fit, each through the target's chat template: one user message
+    of at most prompt_tokens tokens; for a second-turn set (mt_bench_turn2), the first turn, the target's own
+    greedy answer to it (`bench.greedy_answers`, at most eval.first_answer_tokens) and the second turn, at most
+    prompt_tokens + eval.first_answer_tokens. The ones too long are counted in the log."""
     from pipeline.models import targets
 
     tok = targets.load_tokenizer(Path(store.facts["target_path"]), cfg.target)
+
+    def ids_of(messages: list[dict]) -> list[int]:
+        ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+        return list(ids["input_ids"] if isinstance(ids, dict) else ids)
+
+    first_of = prompt_sets.SECOND_TURN.get(name)
+    rows = prompt_sets.load(first_of or name)
+    if first_of:
+        rows = [r for r in rows if len(r["turns"]) > 1]
     prompts, too_long = [], 0
-    for row in prompt_sets.load(name):
-        ids = tok.apply_chat_template([{"role": "user", "content": row["text"]}], add_generation_prompt=True,
-                                      tokenize=True, return_dict=False)
-        ids = list(ids["input_ids"] if isinstance(ids, dict) else ids)
+    for row in rows:
+        ids = ids_of([{"role": "user", "content": row["text"]}])
         if len(ids) > prompt_tokens:
             too_long += 1
             continue
-        prompts.append(ids)
+        prompts.append((row, ids))
         if len(prompts) >= n:
             break
+    if first_of and prompts:
+        limit = prompt_tokens + cfg.eval.first_answer_tokens
+        log.info("evaluate: %s: the target answers %d first turns (greedy, <= %d tokens)", name, len(prompts),
+                 cfg.eval.first_answer_tokens)
+        answers = bench.greedy_answers(cfg, store, [ids for _, ids in prompts], cfg.eval.first_answer_tokens)
+        second = [ids_of([{"role": "user", "content": row["turns"][0]}, {"role": "assistant", "content": answer},
+                          {"role": "user", "content": row["turns"][1]}]) for (row, _), answer in zip(prompts, answers)]
+        too_long += sum(len(ids) > limit for ids in second)
+        prompts = [(row, ids) for (row, _), ids in zip(prompts, second) if len(ids) <= limit]
     if too_long:
-        log.warning("evaluate: %d %s prompts longer than eval.prompt_tokens=%d skipped", too_long, name, prompt_tokens)
+        log.warning("evaluate: %d %s prompts longer than eval.prompt_tokens=%d%s skipped", too_long, name, prompt_tokens,
+                    " (+ eval.first_answer_tokens)" if first_of else "")
     if not prompts:
         raise UserError(f"no {name} prompt fits eval.prompt_tokens={prompt_tokens}; raise it")
-    return prompts
+    return [ids for _, ids in prompts]
 
 
 def _sets_table(cfg) -> None:

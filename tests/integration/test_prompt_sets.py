@@ -3,6 +3,7 @@ tau table per set; an unknown set name is refused before anything runs."""
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 
@@ -36,3 +37,41 @@ def test_evaluate_writes_a_tau_table_per_set(exported_run, make_cfg, tmp_path):
 def test_an_unknown_set_is_one_line(make_cfg, tmp_path):
     with pytest.raises(UserError, match=r"eval.sets=\['heldout', 'gsm9k'\]: a list of distinct names from heldout"):
         run_stages(make_cfg("+experiment=tiny", "stage=evaluate", "eval.sets=[heldout,gsm9k]", run_dir=tmp_path))
+
+
+def test_mt_bench_turn2_asks_the_second_turn_after_the_targets_own_greedy_first_answer(exported_run, make_cfg, tmp_path):
+    """Each mt_bench_turn2 prompt is first turn, the target's greedy answer (transformers' generate in fp32 as the
+    independent reference), second turn, through the chat template; the stage writes its tau row."""
+    import torch
+
+    from pipeline import features
+    from pipeline.acceptance import offline
+    from pipeline.models import targets
+    from pipeline.stages import evaluate
+
+    run_dir = tmp_path / "run"
+    shutil.copytree(exported_run[0], run_dir)
+    cfg = make_cfg("+experiment=tiny", "data.limit=16", "stage=evaluate", "eval.sets=[mt_bench_turn2]",
+                   "eval.num_prompts=2", "eval.max_draft=2", "eval.max_new_tokens=8", "eval.first_answer_tokens=6",
+                   run_dir=run_dir)
+    store = features.open_source(cfg)
+    folder = Path(store.facts["target_path"])
+    tok = targets.load_tokenizer(folder, cfg.target)
+    model = targets.load_model(folder, cfg.target, torch.device("cpu"), torch.float32, "sdpa")
+    rows = [r for r in prompt_sets.load("mt_bench") if len(r["turns"]) > 1][:2]
+    expected = []
+    for r in rows:
+        first = tok.apply_chat_template([{"role": "user", "content": r["turns"][0]}], add_generation_prompt=True,
+                                        tokenize=True, return_dict=False)
+        out = model.generate(torch.tensor([list(first)]), max_new_tokens=6, do_sample=False,
+                             eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)[0, len(first):]
+        answer = tok.decode(out, skip_special_tokens=True).strip()
+        assert answer  # a reply of some tokens: the check below would pass vacuously on an empty one
+        expected.append(list(tok.apply_chat_template(
+            [{"role": "user", "content": r["turns"][0]}, {"role": "assistant", "content": answer},
+             {"role": "user", "content": r["turns"][1]}], add_generation_prompt=True, tokenize=True, return_dict=False)))
+    got = evaluate.set_prompts(cfg, store, "mt_bench_turn2", 2, cfg.eval.prompt_tokens, offline)
+    assert got == expected
+    run_stages(cfg)
+    table = json.loads((run_dir / "eval" / "sets.json").read_text())
+    assert list(table) == ["mt_bench_turn2"] and table["mt_bench_turn2"]["prompts"] == 2
