@@ -130,25 +130,35 @@ def draft_params(model) -> DraftParams:
     return DraftParams(trainable, frozen, max(sizes), linear, max(trainable_sizes))
 
 
+def random_draft(s: DraftShape, vocab: int = 2048, device: str | torch.device = "cpu", seed: int = 0):
+    """speculators' real draft at shape `s` (random init, fp32 parameters on `device`) and one random pack of
+    s.tokens tokens (one document) on the same device: what the memory counter and the GPU step bench run."""
+    from types import SimpleNamespace
+
+    from pipeline.models import draft
+
+    shape = SimpleNamespace(vocab_size=vocab, hidden_size=s.hidden, intermediate_size=s.intermediate,
+                            num_attention_heads=s.heads, num_key_value_heads=s.kv_heads, head_dim=s.head_dim,
+                            rms_norm_eps=1e-6, max_position_embeddings=max(65536, 2 * s.tokens), architectures=[])
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = draft.build(None, shape, list(range(1, s.n_aux + 1)), None, None, s.ttt_steps, attn="sdpa",
+                            load_target_weights=False, draft_vocab_size=s.draft_vocab)
+        model.d2t, model.t2d = torch.zeros(s.draft_vocab, dtype=torch.long), torch.zeros(vocab, dtype=torch.bool)
+        T = s.tokens
+        batch = dict(hidden_states=torch.randn(1, T, s.n_aux * s.hidden), input_ids=torch.randint(0, vocab, (1, T)),
+                     document_ids=torch.zeros(1, T, dtype=torch.long), loss_mask=torch.ones(1, T, dtype=torch.bool),
+                     position_ids=torch.arange(T)[None], verifier_last_hidden_states=torch.randn(1, T, s.hidden))
+    return model, batch
+
+
 def measure_draft(s: DraftShape, bf16: bool, vocab: int = 2048, loss_chunk: int | None = None):
     """One TTT forward + backward of speculators' real draft at shape `s` (random init, CPU), counted by
     LiveTensors: (bytes alive after the forward, the peak, the draft's DraftParams). What the memory model is
     checked against (tests/unit/test_memory.py, scripts/bench/memory_estimate.py)."""
-    from types import SimpleNamespace
+    from pipeline.models import losses
 
-    from pipeline.models import draft, losses
-
-    shape = SimpleNamespace(vocab_size=vocab, hidden_size=s.hidden, intermediate_size=s.intermediate,
-                            num_attention_heads=s.heads, num_key_value_heads=s.kv_heads, head_dim=s.head_dim,
-                            rms_norm_eps=1e-6, max_position_embeddings=65536, architectures=[])
-    torch.manual_seed(0)
-    model = draft.build(None, shape, list(range(1, s.n_aux + 1)), None, None, s.ttt_steps, attn="sdpa",
-                        load_target_weights=False, draft_vocab_size=s.draft_vocab)
-    model.d2t, model.t2d = torch.zeros(s.draft_vocab, dtype=torch.long), torch.zeros(vocab, dtype=torch.bool)
-    T = s.tokens
-    batch = dict(hidden_states=torch.randn(1, T, s.n_aux * s.hidden), input_ids=torch.randint(0, vocab, (1, T)),
-                 document_ids=torch.zeros(1, T, dtype=torch.long), loss_mask=torch.ones(1, T, dtype=torch.bool),
-                 position_ids=torch.arange(T)[None], verifier_last_hidden_states=torch.randn(1, T, s.hidden))
+    model, batch = random_draft(s, vocab)
     live = LiveTensors([*model.parameters(), *model.buffers(), *batch.values()])
     with live, torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
         _, loss, _ = model(**batch, ttt_steps=s.ttt_steps, loss_config=losses.loss_config("kl_div", loss_chunk))

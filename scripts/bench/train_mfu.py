@@ -1,0 +1,117 @@
+"""Benchmark (GPU): MFU and peak memory of our training step for a large draft (issue #14: >= 40% MFU for the
+Llama-3.1-8B-shaped draft; peak memory at 8K and 16K packs beside `eaglepipe plan`'s estimate).
+
+The draft is speculators' Eagle3DraftModel at a target's declared layer shape (conf/target/NAME.yaml: hidden,
+heads, intermediate), random init, fp32 master weights, trained as stage train trains it: bf16 autocast, the
+loss train.loss_chunk_tokens configures, AdamW (0.9, 0.95) on the trainable parameters, gradient clipping. The
+features are random, made on the GPU (no target, no store: this measures the step, not the loader).
+FLOPs are counted by torch itself (torch.utils.flop_counter.FlopCounterMode over one whole step: every TTT
+step's forward and backward, the attention as the kernels compute it, masked positions included); MFU = counted
+FLOPs per second / the GPU's dense bf16 peak (--peak-tflops, 989 for an H100/H200 SXM).
+Usage:  python scripts/bench/train_mfu.py --target llama3_8b --tokens 8192 16384 --ttt 7 --steps 10
+Writes train_mfu.json to $OUT (or the current folder) and prints a table.
+"""
+
+import argparse
+import json
+import os
+import socket
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+from omegaconf import OmegaConf
+from torch.utils.flop_counter import FlopCounterMode
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+from pipeline.models import losses, memory  # noqa: E402
+
+
+def shape_of(target: str, tokens: int, ttt: int, draft_vocab: int) -> memory.DraftShape:
+    t = OmegaConf.load(ROOT / "conf" / "target" / f"{target}.yaml")
+    return memory.DraftShape(tokens=tokens, ttt_steps=ttt, hidden=t.hidden_size, intermediate=t.intermediate_size,
+                             heads=t.num_attention_heads, kv_heads=t.num_key_value_heads, head_dim=t.head_dim,
+                             draft_vocab=min(draft_vocab, t.vocab_size)), int(t.vocab_size)
+
+
+def one(s: memory.DraftShape, vocab: int, steps: int, warmup: int, chunk, device) -> dict:
+    torch.cuda.empty_cache() if device.type == "cuda" else None
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    model, batch = memory.random_draft(s, vocab, device)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(trainable, lr=1e-4, betas=(0.9, 0.95))
+    fwd = dict(ttt_steps=s.ttt_steps, loss_config=losses.loss_config("kl_div", chunk))
+
+    def step():
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            _, loss, _ = model(**batch, **fwd)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(trainable, 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    for _ in range(warmup):  # compilation (speculators compiles its forward on CUDA) and the allocator settle
+        step()
+    with FlopCounterMode(display=False) as counter:
+        step()
+    flops = counter.get_total_flops()
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        step()
+    sync()
+    dt = (time.perf_counter() - t0) / steps
+    est = memory.estimate(s, memory.draft_params(model), loss_chunk=chunk)
+    return {"tokens": s.tokens, "ttt_steps": s.ttt_steps, "draft_vocab": s.draft_vocab, "target_vocab": vocab,
+            "trainable_params": sum(p.numel() for p in trainable), "flops_per_step": flops, "step_s": dt,
+            "tokens_per_s": s.tokens / dt, "tflops_per_s": flops / dt / 1e12,
+            "peak_allocated_gib": torch.cuda.max_memory_allocated(device) / 2 ** 30 if device.type == "cuda" else None,
+            "estimate_gib": round(est["peak"] / 2 ** 30, 2)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--target", default="llama3_8b")
+    ap.add_argument("--tokens", type=int, nargs="+", default=[8192, 16384])
+    ap.add_argument("--ttt", type=int, default=7)
+    ap.add_argument("--draft-vocab", type=int, default=32000)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--loss-chunk", type=int, default=2048, help="train.loss_chunk_tokens; 0 = eager")
+    ap.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak of the GPU")
+    a = ap.parse_args()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    rows = []
+    for T in a.tokens:
+        s, vocab = shape_of(a.target, T, a.ttt, a.draft_vocab)
+        try:
+            r = one(s, vocab, a.steps, a.warmup, a.loss_chunk or None, device)
+        except torch.OutOfMemoryError as e:
+            r = {"tokens": T, "ttt_steps": a.ttt, "error": f"out of memory: {str(e).splitlines()[0]}"}
+        if "tflops_per_s" in r:
+            r["mfu"] = r["tflops_per_s"] / a.peak_tflops
+        rows.append(r)
+        print(json.dumps(r))
+    res = {"bench": "train_mfu", "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+           "host": socket.gethostname(), "device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu",
+           "torch": torch.__version__, "command": "python scripts/bench/train_mfu.py " + " ".join(sys.argv[1:]),
+           "target_shape": a.target, "peak_tflops": a.peak_tflops, "rows": rows}
+    out = Path(os.environ.get("OUT") or ".")
+    (out / "train_mfu.json").write_text(json.dumps(res, indent=1))
+    print(f"{'tokens':>7} {'ttt':>4} {'step s':>8} {'tok/s':>9} {'TFLOP/s':>8} {'MFU':>6} {'peak GiB':>9} {'est GiB':>8}")
+    for r in rows:
+        if "error" in r:
+            print(f"{r['tokens']:>7} {r['ttt_steps']:>4}  {r['error']}")
+            continue
+        pk = r["peak_allocated_gib"]
+        print(f"{r['tokens']:>7} {r['ttt_steps']:>4} {r['step_s']:>8.3f} {r['tokens_per_s']:>9.0f} {r['tflops_per_s']:>8.1f} "
+              f"{r['mfu']:>6.1%} {pk if pk is None else round(pk, 1)!s:>9} {r['estimate_gib']!s:>8}")
+
+
+if __name__ == "__main__":
+    main()
