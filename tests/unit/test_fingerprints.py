@@ -96,3 +96,23 @@ def test_sglang_knobs_shape_only_sglang_stores(make_cfg, tmp_path):
     assert sgl != hf
     assert fp(extract, make_cfg, tmp_path, "extract.backend=sglang", "extract.sglang_attention_backend=triton") != sgl
     assert fp(extract, make_cfg, tmp_path, "extract.backend=sglang", "extract.sglang_mem_fraction=0.3") == sgl
+
+
+def test_the_online_sources_hash_leaves_out_the_hosts_compute_dtype_and_nothing_else():
+    """vocab (CPU, fp32) and train (GPU, bf16) may run on different hosts: the online facts' hash must not follow
+    compute_dtype, and must follow every fact that changes the states."""
+    import torch
+
+    from pipeline.features import OnlineFeatures
+
+    base = {"aux_layer_ids": [1, 3, 4], "hidden_size": 64, "target_fingerprint": "t0", "compute_dtype": "float32",
+            "prepared_fingerprint": "p0", "max_len": 2048}
+
+    def h(**change):
+        return OnlineFeatures({**base, **change}, None, None, None, torch.device("cpu"), torch.float32,
+                              "sdpa").manifest_hash()
+
+    assert h(compute_dtype="bfloat16") == h()
+    for key, value in (("aux_layer_ids", [1, 2, 4]), ("target_fingerprint", "t1"), ("prepared_fingerprint", "p1"),
+                       ("hidden_size", 65), ("max_len", 1024)):
+        assert h(**{key: value}) != h(), key
