@@ -68,11 +68,21 @@ def main(overrides):
                 base(input_ids=i, attention_mask=a, use_cache=False)
 
     cap = hf_capture.Capture(model, aux)
+    ns = [a.sum(1).tolist() for _, a in pinned]
 
-    def capture():
+    def capture_naive():  # the first version: the padded batch, copied synchronously into pageable memory
         for i, a in pinned:
             x, y = cap(i, a)
             x.cpu(), y.cpu()
+
+    def capture():  # the stage's own device path: real tokens gathered on the device, async copy into pinned memory
+        copied = []
+        for (i, a), n in zip(pinned, ns):
+            x, y = cap(i, a)
+            copied = [extract._to_host(extract._valid_rows(h, n)) for h in (x, y)]
+        for _, event in copied:
+            if event is not None:
+                event.synchronize()
 
     prefill()  # warm-up (kernels, allocator)
     results = {"tokens": int(lengths.sum()), "samples": len(lengths), "prepare_s": t_prep,
@@ -80,25 +90,44 @@ def main(overrides):
                "batch_tokens": cfg.extract.batch_tokens, "batches": len(pinned),
                "padded_tokens": int(sum(i.numel() for i, _ in pinned))}
     results["prefill_s"] = min(timed(prefill, device) for _ in range(3))
+    results["capture_naive_s"] = min(timed(capture_naive, device) for _ in range(3))
     results["capture_s"] = min(timed(capture, device) for _ in range(3))
     cap.remove()
     del model, base, pinned
+    phases = {}  # where the stage's time goes: the model's load, the shard loop (capture, scatter, commits)
+
+    def timing(name, fn):
+        def inner(*a, **k):
+            t = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                phases[name] = phases.get(name, 0.0) + time.perf_counter() - t
+        return inner
+
+    load_model, shards = targets.load_model, extract._extract_shards
+    targets.load_model, extract._extract_shards = timing("load_model", load_model), timing("shard_loop", shards)
     for comp in ("none", "blosc_lz4", "blosc_zstd"):
         cfg.extract.compressor = comp
         shutil.rmtree(Path(cfg.run_dir) / "features", ignore_errors=True)
+        phases.clear()
         results[f"extract_{comp}_s"] = timed(lambda: extract.run(cfg), device)
+        results[f"extract_{comp}_phases_s"] = dict(phases)
         size = sum(f.stat().st_size for f in (Path(cfg.run_dir) / "features").rglob("*") if f.is_file())
         results[f"store_{comp}_bytes"] = size
+    targets.load_model, extract._extract_shards = load_model, shards
     out = Path(os.environ.get("OUT", cfg.run_dir)) / "bench_extract.json"
     out.write_text(json.dumps(results, indent=1))
     n = results["tokens"]
     print(f"\n{results['device']} {results['dtype']} | {n} tokens, {results['samples']} samples, "
           f"{results['batches']} batches (padding {results['padded_tokens'] / n - 1:.1%})")
     print(f"{'what':<22}{'seconds':>10}{'tokens/s':>14}{'store MB':>10}")
-    for key in ("prefill", "capture", "extract_none", "extract_blosc_lz4", "extract_blosc_zstd"):
+    for key in ("prefill", "capture_naive", "capture", "extract_none", "extract_blosc_lz4", "extract_blosc_zstd"):
         size = results.get(f"store_{key.removeprefix('extract_')}_bytes")
         print(f"{key:<22}{results[key + '_s']:>10.2f}{n / results[key + '_s']:>14,.0f}"
               f"{'' if size is None else f'{size / 1e6:>10.0f}'}")
+    for comp in ("none", "blosc_lz4", "blosc_zstd"):
+        print(f"extract_{comp} phases (s): " + ", ".join(f"{k} {v:.2f}" for k, v in results[f"extract_{comp}_phases_s"].items()))
 
 
 if __name__ == "__main__":
