@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# GPU plan (one H200) for issue #14's figures: extract (SmolLM2 and a random-init Llama-3.1-8B-shaped target),
+# training MFU and peak memory of the 8B-shape draft, our loop vs speculators' Trainer (fixed-shape packs), and
+# the batched vs serial offline evaluate. After .gpu/install.sh (both parts), from the repo root:
+#   bash scripts/bench/perf_h200.sh start ; bash scripts/bench/perf_h200.sh wait SECONDS   (repeat wait until done)
+# Results: $OUT/*.json (each bench's own JSON) and perf.log.
+set -u
+G=${PLAN_DIR:-/tmp/perf}; mkdir -p $G/out
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+S="target=smollm2 target.path=/tmp/model/smol.gguf cache_dir=/tmp/epcache"
+step() { echo "=== $1 $(date +%T)"; }
+case "$1" in
+  plan)
+    step "extract SmolLM2"
+    OUT=$G/out/smol python3 scripts/bench/extract_throughput.py $S run_dir=$G/xs data.limit=1500 \
+      extract.batch_tokens=65536 extract.max_batch_size=256 > $G/xs.log 2>&1; mkdir -p $G/out/smol; tail -12 $G/xs.log
+    step "train MFU, 8B-shape draft"
+    OUT=$G/out python3 scripts/bench/train_mfu.py --target llama3_8b --tokens 8192 16384 --ttt 7 --steps 8 > $G/mfu.log 2>&1
+    tail -4 $G/mfu.log
+    step "extract 8B-shape"
+    smol=$(ls -d /tmp/epcache/targets/smollm2-* | head -1)
+    python3 scripts/bench/make_random_target.py llama3_8b /tmp/l8b $smol 2>&1 | tail -1
+    mkdir -p $G/out/l8b
+    OUT=$G/out/l8b python3 scripts/bench/extract_throughput.py target=llama3_8b target.path=/tmp/l8b cache_dir=/tmp/epcache \
+      run_dir=$G/x8 data.limit=400 extract.batch_tokens=32768 extract.max_batch_size=64 > $G/x8.log 2>&1; tail -12 $G/x8.log
+    rm -rf /tmp/l8b $G/x8/features
+    A="$S cache_dir=/tmp/epcache run_dir=$G/tb data.limit=1500 train.max_steps=200 train.tokens_per_pack=8192 \
+       extract.batch_tokens=65536 extract.max_batch_size=256 train.num_workers=4 train.pad_packs=true"
+    for who in speculators ours; do
+      step "train $who"; BENCH_ONLY=$who OUT=$G/out python3 scripts/bench/train_vs_speculators.py $A > $G/tb_$who.log 2>&1
+      tail -4 $G/tb_$who.log
+    done
+    step done; touch $G/done;;
+  start)
+    rm -f $G/done; setsid bash "$0" plan > $G/perf.log 2>&1 < /dev/null & echo "plan pgid $!";;
+  wait)
+    for i in $(seq 1 $(( $2 / 5 ))); do [ -f $G/done ] && break; sleep 5; done
+    cat $G/perf.log
+    if [ -n "${OUT:-}" ]; then
+      cp $G/out/*.json $OUT/ 2>/dev/null; cp $G/out/smol/bench_extract.json $OUT/extract_smol.json 2>/dev/null
+      cp $G/out/l8b/bench_extract.json $OUT/extract_l8b.json 2>/dev/null; cp $G/perf.log $OUT/ 2>/dev/null
+    fi; true;;
+esac
