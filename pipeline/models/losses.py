@@ -44,9 +44,13 @@ class _ChunkedKL(torch.autograd.Function):
         return grad.reshape(logits.shape), None, None
 
 
+@torch.compiler.disable
 def chunked_kl_div_loss(logits: torch.Tensor, targets: torch.Tensor, chunk: int = 2048) -> torch.Tensor:
     """Per-position KL(softmax(targets) || softmax(logits)), [1, seq_len], as speculators' eager kl_div_loss.
-    The targets carry no gradient (the verifier's logits, computed under no_grad)."""
+    The targets carry no gradient (the verifier's logits, computed under no_grad).
+    Never traced by dynamo: speculators compiles the draft's forward on CUDA, and torch 2.11's dynamo fails an
+    assertion tracing this autograd.Function (H200, 2026-12-02: every TTT-3 run of stage train stopped at the first
+    step); it runs eagerly inside the compiled forward (a graph break), as speculators' own attention does."""
     if targets.requires_grad:
         raise ValueError("chunked_kl_div_loss: the targets must not require grad (the verifier's logits)")
     return _ChunkedKL.apply(logits, targets.detach(), chunk)

@@ -68,3 +68,22 @@ def test_the_chunked_loss_keeps_less_and_the_memory_model_says_how_much():
     saved = sum(memory.activation_terms(s, False).values()) - sum(memory.activation_terms(s, False, 64).values())
     assert kept["chunked"] < kept["eager"]
     assert abs((kept["eager"] - kept["chunked"]) - saved) <= 0.02 * saved, (kept, saved)
+
+
+def test_the_chunked_loss_is_never_traced_by_dynamo():
+    """speculators compiles the draft's forward on CUDA; torch 2.11's dynamo fails tracing the chunked loss's
+    autograd.Function (it stopped every GPU training run at step 1), so the loss must be a graph break that runs
+    eagerly: dynamo's own account of a compiled caller shows the break at it, and the value is the eager one."""
+    import torch._dynamo
+
+    def caller(logits, targets):
+        return losses.chunked_kl_div_loss(logits * 1.0, targets, chunk=4).sum()
+
+    logits, targets = torch.randn(1, 10, 32, requires_grad=True), torch.randn(1, 10, 32)
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(caller)(logits, targets)
+    assert explained.graph_break_count >= 1
+    assert any("chunked_kl_div_loss" in str(r.reason) or "disable" in str(r.reason).lower()
+               for r in explained.break_reasons), [str(r.reason) for r in explained.break_reasons]
+    compiled = torch.compile(caller, backend="eager")(logits, targets)
+    assert torch.allclose(compiled, caller(logits, targets))
