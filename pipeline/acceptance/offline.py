@@ -261,7 +261,8 @@ def measure(cfg, store, prompts: list[list[int]], out: Path) -> Path:
     lines = ["tau (tokens per target forward)  " + "".join(f"{'k=' + str(k):>8}" for k in ks)]
     for name, label in (("trained", "trained draft"), ("untrained", "untrained draft (floor)")):
         lines.append(f"{label:<33}" + "".join(f"{report[name][str(k)]['tau']:>8.3f}" for k in ks))
-    log.info("evaluate, %d held-out prompts x %d new tokens:\n%s", len(prompts), e.max_new_tokens, "\n".join(lines))
+    where = "held-out" if out == RunDir.of(cfg).eval else out.name  # eval/, or eval/<set>/ of another prompt set
+    log.info("evaluate, %d %s prompts x %d new tokens:\n%s", len(prompts), where, e.max_new_tokens, "\n".join(lines))
     out.mkdir(parents=True, exist_ok=True)
     (out / "acceptance.json").write_text(json.dumps(report, indent=1))
     _plot(report, out / "tau.png")

@@ -130,7 +130,8 @@ def draft_params(model) -> DraftParams:
     return DraftParams(trainable, frozen, max(sizes), linear, max(trainable_sizes))
 
 
-def random_draft(s: DraftShape, vocab: int = 2048, device: str | torch.device = "cpu", seed: int = 0):
+def random_draft(s: DraftShape, vocab: int = 2048, device: str | torch.device = "cpu", seed: int = 0,
+                 attn: str = "sdpa"):
     """speculators' real draft at shape `s` (random init, fp32 parameters on `device`) and one random pack of
     s.tokens tokens (one document) on the same device: what the memory counter and the GPU step bench run."""
     from types import SimpleNamespace
@@ -142,7 +143,7 @@ def random_draft(s: DraftShape, vocab: int = 2048, device: str | torch.device = 
                             rms_norm_eps=1e-6, max_position_embeddings=max(65536, 2 * s.tokens), architectures=[])
     torch.manual_seed(seed)
     with torch.device(device):
-        model = draft.build(None, shape, list(range(1, s.n_aux + 1)), None, None, s.ttt_steps, attn="sdpa",
+        model = draft.build(None, shape, list(range(1, s.n_aux + 1)), None, None, s.ttt_steps, attn=attn,
                             load_target_weights=False, draft_vocab_size=s.draft_vocab)
         model.d2t, model.t2d = torch.zeros(s.draft_vocab, dtype=torch.long), torch.zeros(vocab, dtype=torch.bool)
         T = s.tokens

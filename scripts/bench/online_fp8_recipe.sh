@@ -5,17 +5,19 @@
 # Phase 1: one regenerated SmolLM2 chitchat set (+experiment=gpu_smollm2), a bf16 store and an fp8 store.
 # Phase 2, one job at a time on the GPU (throughput and peak memory are the job's own): 3-epoch drafts from the
 #   bf16 store and online (no store); then a short profiled run on each store (scripts/bench/train_profile.py).
-# Phase 3, concurrently: export + evaluate of those two; the 3-epoch fp8 draft, and two recipe variants (TTT 7;
-#   TTT 7 for 6 epochs with tau probed every epoch and select=tau), each ending in evaluate on heldout / MT-bench /
-#   HumanEval.
+# Phase 3, concurrently: export + evaluate of those two; the 3-epoch fp8 draft, and two recipe variants (run dirs
+#   ttt7, ttt7_e6; their overrides VARIANT_A / VARIANT_B, by default TTT 7, and TTT 7 for 6 epochs with tau probed
+#   every epoch and select=tau: measured 2026-12-02), each ending in evaluate on heldout / MT-bench / HumanEval.
+#   Next: VARIANT_A="train.epochs=6 train.eval_tau_every_steps=78" (TTT 3, 6 epochs, the same 80 prompts)
+#         VARIANT_B="train.ttt_steps=7 train.epochs=6 train.lr=1e-3 train.eval_tau_every_steps=78 train.select=tau"
 # scripts/bench/online_fp8_recipe_report.py gathers every run dir into one JSON.
 set -u
 G=${PLAN_DIR:-/tmp/g}; L=$G/logs; mkdir -p $L
 A=${PLAN_ARGS:-"+experiment=gpu_smollm2 target.path=/tmp/model/smol.gguf cache_dir=/tmp/epcache prepare.gen_batch_size=512 \
-train.pad_packs=true export.engines=[sglang] eval.sets=[heldout,mt_bench,humaneval] eval.num_prompts=80 eval.batch_size=40"}
+train.pad_packs=true export.engines=[sglang] eval.sets=[heldout,mt_bench,mt_bench_turn2,humaneval] eval.num_prompts=80 eval.batch_size=40"}
 declare -A V=([bf16]="" [fp8]="extract.store_dtype=fp8_e4m3" [online]="train.features=online"
-              [ttt7]="train.ttt_steps=7 train.eval_tau_every_steps=78"
-              [ttt7_e6]="train.ttt_steps=7 train.epochs=6 train.eval_tau_every_steps=78 train.select=tau")
+              [ttt7]=${VARIANT_A:-"train.ttt_steps=7 train.eval_tau_every_steps=78"}
+              [ttt7_e6]=${VARIANT_B:-"train.ttt_steps=7 train.epochs=6 train.eval_tau_every_steps=78 train.select=tau"})
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 st() {  # st RUN STAGE: one stage of one run dir, logged; a failure is reported and the plan goes on
   echo "=== $1 $2 $(date +%T)"

@@ -37,11 +37,11 @@ def shape_of(target: str, tokens: int, ttt: int, draft_vocab: int) -> memory.Dra
                              draft_vocab=min(draft_vocab, t.vocab_size)), int(t.vocab_size)
 
 
-def one(s: memory.DraftShape, vocab: int, steps: int, warmup: int, chunk, device) -> dict:
+def one(s: memory.DraftShape, vocab: int, steps: int, warmup: int, chunk, device, attn: str = "sdpa") -> dict:
     torch.cuda.empty_cache() if device.type == "cuda" else None
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    model, batch = memory.random_draft(s, vocab, device)
+    model, batch = memory.random_draft(s, vocab, device, attn=attn)
     trainable = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(trainable, lr=1e-4, betas=(0.9, 0.95))
     fwd = dict(ttt_steps=s.ttt_steps, loss_config=losses.loss_config("kl_div", chunk))
@@ -67,7 +67,7 @@ def one(s: memory.DraftShape, vocab: int, steps: int, warmup: int, chunk, device
     sync()
     dt = (time.perf_counter() - t0) / steps
     est = memory.estimate(s, memory.draft_params(model), loss_chunk=chunk)
-    return {"tokens": s.tokens, "ttt_steps": s.ttt_steps, "draft_vocab": s.draft_vocab, "target_vocab": vocab,
+    return {"attn": attn, "tokens": s.tokens, "ttt_steps": s.ttt_steps, "draft_vocab": s.draft_vocab, "target_vocab": vocab,
             "trainable_params": sum(p.numel() for p in trainable), "flops_per_step": flops, "step_s": dt,
             "tokens_per_s": s.tokens / dt, "tflops_per_s": flops / dt / 1e12,
             "peak_allocated_gib": torch.cuda.max_memory_allocated(device) / 2 ** 30 if device.type == "cuda" else None,
@@ -83,33 +83,36 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--loss-chunk", type=int, default=2048, help="train.loss_chunk_tokens; 0 = eager")
+    ap.add_argument("--attn", nargs="+", default=["sdpa"],
+                    help="train.attn_implementation values to compare (sdpa: dense masks; simple_flex_attention: block masks)")
     ap.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak of the GPU")
     a = ap.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     rows = []
-    for T in a.tokens:
-        s, vocab = shape_of(a.target, T, a.ttt, a.draft_vocab)
-        try:
-            r = one(s, vocab, a.steps, a.warmup, a.loss_chunk or None, device)
-        except torch.OutOfMemoryError as e:
-            r = {"tokens": T, "ttt_steps": a.ttt, "error": f"out of memory: {str(e).splitlines()[0]}"}
-        if "tflops_per_s" in r:
-            r["mfu"] = r["tflops_per_s"] / a.peak_tflops
-        rows.append(r)
-        print(json.dumps(r))
+    for attn in a.attn:
+        for T in a.tokens:
+            s, vocab = shape_of(a.target, T, a.ttt, a.draft_vocab)
+            try:
+                r = one(s, vocab, a.steps, a.warmup, a.loss_chunk or None, device, attn)
+            except torch.OutOfMemoryError as e:
+                r = {"attn": attn, "tokens": T, "ttt_steps": a.ttt, "error": f"out of memory: {str(e).splitlines()[0]}"}
+            if "tflops_per_s" in r:
+                r["mfu"] = r["tflops_per_s"] / a.peak_tflops
+            rows.append(r)
+            print(json.dumps(r))
     res = {"bench": "train_mfu", "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
            "host": socket.gethostname(), "device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu",
            "torch": torch.__version__, "command": "python scripts/bench/train_mfu.py " + " ".join(sys.argv[1:]),
            "target_shape": a.target, "peak_tflops": a.peak_tflops, "rows": rows}
     out = Path(os.environ.get("OUT") or ".")
     (out / "train_mfu.json").write_text(json.dumps(res, indent=1))
-    print(f"{'tokens':>7} {'ttt':>4} {'step s':>8} {'tok/s':>9} {'TFLOP/s':>8} {'MFU':>6} {'peak GiB':>9} {'est GiB':>8}")
+    print(f"{'attn':>22} {'tokens':>7} {'ttt':>4} {'step s':>8} {'tok/s':>9} {'TFLOP/s':>8} {'MFU':>6} {'peak GiB':>9} {'est GiB':>8}")
     for r in rows:
         if "error" in r:
-            print(f"{r['tokens']:>7} {r['ttt_steps']:>4}  {r['error']}")
+            print(f"{r['attn']:>22} {r['tokens']:>7} {r['ttt_steps']:>4}  {r['error']}")
             continue
         pk = r["peak_allocated_gib"]
-        print(f"{r['tokens']:>7} {r['ttt_steps']:>4} {r['step_s']:>8.3f} {r['tokens_per_s']:>9.0f} {r['tflops_per_s']:>8.1f} "
+        print(f"{r['attn']:>22} {r['tokens']:>7} {r['ttt_steps']:>4} {r['step_s']:>8.3f} {r['tokens_per_s']:>9.0f} {r['tflops_per_s']:>8.1f} "
               f"{r['mfu']:>6.1%} {pk if pk is None else round(pk, 1)!s:>9} {r['estimate_gib']!s:>8}")
 
 
