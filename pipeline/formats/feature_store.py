@@ -89,15 +89,22 @@ def arrays(facts: dict) -> tuple[str, ...]:
     return ARRAYS + (SCALES if store_dtype(facts) == FP8 else ())
 
 
-def encode_fp8(x: torch.Tensor, groups: int) -> tuple[torch.Tensor, torch.Tensor]:
+def encode_fp8(x: torch.Tensor, groups: int, chunk_rows: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """[N, groups*H] -> (uint8 [N, groups*H] float8_e4m3fn bits, float32 [N, groups] scales), on x's device.
     Each token's each layer is scaled so its largest |value| is e4m3's largest finite value (448): relative
-    rounding error <= 2^-4 per element (3 mantissa bits), smaller magnitudes down to e4m3's subnormals."""
-    n = x.shape[0]
-    g = x.float().reshape(n, groups, -1)
-    scale = g.abs().amax(-1, keepdim=True).clamp_min(1e-30) / FP8_MAX
-    q = (g / scale).to(torch.float8_e4m3fn)
-    return q.reshape(n, -1).view(torch.uint8), scale.squeeze(-1)
+    rounding error <= 2^-4 per element (3 mantissa bits), smaller magnitudes down to e4m3's subnormals.
+    Encoded chunk_rows tokens at a time (default: ~256 MB of fp32 working copy), so a capture batch at Kimi-K2.5's
+    shape (64K tokens x 3 x 7168) needs a chunk's fp32 copies on the GPU, not two of the whole batch's 5.6 GB."""
+    n, width = x.shape
+    rows = chunk_rows or max(1, 2 ** 26 // max(width, 1))
+    bits = torch.empty(n, width, dtype=torch.uint8, device=x.device)
+    scales = torch.empty(n, groups, dtype=torch.float32, device=x.device)
+    for a in range(0, n, rows):
+        g = x[a: a + rows].float().reshape(-1, groups, width // groups)
+        scale = g.abs().amax(-1, keepdim=True).clamp_min(1e-30) / FP8_MAX
+        bits[a: a + rows] = (g / scale).to(torch.float8_e4m3fn).reshape(-1, width).view(torch.uint8)
+        scales[a: a + rows] = scale.squeeze(-1)
+    return bits, scales
 
 
 def decode_fp8(bits: np.ndarray, scale: np.ndarray) -> torch.Tensor:

@@ -197,6 +197,18 @@ def test_fp8_round_trip_error_is_within_e4m3s_bound_per_token_and_per_element():
     assert float(per_token.max()) > 2 ** -9
 
 
+def test_fp8_encoding_in_chunks_of_tokens_is_bit_identical_to_one_pass():
+    """encode_fp8 bounds its fp32 working copy by encoding chunk_rows tokens at a time (the GPU memory of a large
+    capture batch); every chunking gives the same bits and scales, including a last chunk that is short."""
+    x = _heavy_tailed(37, 3 * 96, seed=1)
+    bits, scale = fs.encode_fp8(x, 3, chunk_rows=37)
+    for rows in (1, 5, 16):
+        b, s = fs.encode_fp8(x, 3, chunk_rows=rows)
+        assert torch.equal(b, bits) and torch.equal(s, scale), rows
+    b, s = fs.encode_fp8(x, 3)  # the default chunking
+    assert torch.equal(b, bits) and torch.equal(s, scale)
+
+
 def test_an_fp8_shard_is_written_as_uint8_plus_scales_and_read_back_as_bf16(tmp_path):
     manifest = fs.open_for_writing(tmp_path, FP8_FACTS)
     writer = fs.ShardWriter(tmp_path, fs.ShardSpec(0, 0, [5, 7]), FP8_FACTS, (8, 4), chunk_tokens=3)
