@@ -203,8 +203,11 @@ class TrainConfig:
     # positions before it as context (attended to, not scored). null = tokens_per_pack // 4
     split_context: Optional[int] = None
     # pad every pack to exactly tokens_per_pack (document id -1, loss mask 0): one shape for every step, so a
-    # compiled step compiles once (issue #14); the loss and its gradients are those of the unpadded pack
-    pad_packs: bool = False
+    # compiled step compiles once (issue #14); the loss and its gradients are those of the unpadded pack.
+    # null = on when training on CUDA, where speculators compiles the forward: with one shape it stays compiled
+    # (99.8K tokens/s on the H200, BENCHMARKS.md 2026-12-02); with a length per pack dynamo hits its recompile
+    # limit and runs eager. Off on CPU (no compilation: the padding would only cost)
+    pad_packs: Optional[bool] = None
     grad_accum: int = 1
     epochs: int = 1
     max_steps: Optional[int] = None  # null = epochs x packs / grad_accum

@@ -92,6 +92,11 @@ def fingerprint(cfg) -> str:
                    "train": _shaping(cfg.train, NOT_SHAPING)})
 
 
+def pad_packs(t, device: torch.device) -> bool:
+    """train.pad_packs, with null resolved: padded to one shape where the forward is compiled (CUDA)."""
+    return bool(t.pad_packs) if t.pad_packs is not None else device.type == "cuda"
+
+
 def _shaping(t, leave_out: tuple[str, ...]) -> dict:
     """The train section as fingerprinted: a knob added later leaves the fingerprint at its default (the Llama
     draft, DDP, offline features, no tau, select=last), so runs trained before it existed are not retrained."""
@@ -337,7 +342,7 @@ def _epochs(cfg, s: Session, plan: Plan, p: Progress, preemption) -> None:
             mine = rank_share(plan.epochs[p.epoch], p.packs_done, acc.process_index, acc.num_processes, t.grad_accum)
             online = s.store.root is None  # the target runs in this process, on this rank's device: no workers
             loader = torch.utils.data.DataLoader(PackDataset(s.store if online else s.store.root, mine,
-                                                             t.tokens_per_pack, t.pad_packs),
+                                                             t.tokens_per_pack, pad_packs(t, acc.device)),
                                                  batch_size=None, shuffle=False, num_workers=0 if online else t.num_workers,
                                                  pin_memory=acc.device.type == "cuda" and not online)
             s.model.train()
@@ -518,7 +523,8 @@ def _validate(s: Session, cfg, packs: list) -> dict:
     from pipeline.data.features_dataset import collate
     for pack in packs:
         batch = {k: v.to(accelerator.device)
-                 for k, v in collate(store, pack, cfg.train.tokens_per_pack, cfg.train.pad_packs).items()}
+                 for k, v in collate(store, pack, cfg.train.tokens_per_pack,
+                                     pad_packs(cfg.train, accelerator.device)).items()}
         with accelerator.autocast():  # a prepared (DDP) model autocasts itself; an FSDP one does not
             _, _, m = model(**_cast(batch, accelerator), **fwd)
         for k, v in m.items():

@@ -112,3 +112,20 @@ def test_the_accelerate_configs_launch_bf16_gpu_ranks_without_accelerates_own_fs
     assert cfg["distributed_type"] == "MULTI_GPU" and cfg["mixed_precision"] == "bf16" and not cfg["use_cpu"]
     assert not any(k.startswith("fsdp") for k in cfg)  # train.strategy=fsdp shards; accelerate's plugin would twice
     assert f"train.strategy={name}" in (CONF / "accelerate" / f"{name}.yaml").read_text()  # the knob it goes with
+
+
+def test_pad_packs_defaults_to_one_shape_on_cuda_and_to_no_padding_on_cpu():
+    """train.pad_packs=null: padded where speculators compiles the forward (CUDA), not on CPU; a set value wins."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from pipeline.config import TrainConfig
+    from pipeline.stages.train import pad_packs
+
+    assert TrainConfig().pad_packs is None
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert pad_packs(SimpleNamespace(pad_packs=None), cuda) is True
+    assert pad_packs(SimpleNamespace(pad_packs=None), cpu) is False
+    assert pad_packs(SimpleNamespace(pad_packs=False), cuda) is False
+    assert pad_packs(SimpleNamespace(pad_packs=True), cpu) is True
