@@ -30,6 +30,9 @@ case "$1" in
       step "train $who"; BENCH_ONLY=$who OUT=$G/out python3 scripts/bench/train_vs_speculators.py $A > $G/tb_$who.log 2>&1
       tail -4 $G/tb_$who.log
     done
+    step "train speculators on fixed-shape packs"     # isolates what the padding alone gives speculators' Trainer
+    mkdir -p $G/out/specpad; BENCH_SPEC_PAD=1 BENCH_ONLY=speculators OUT=$G/out/specpad \
+      python3 scripts/bench/train_vs_speculators.py $A > $G/tb_specpad.log 2>&1; tail -4 $G/tb_specpad.log
     step done; touch $G/done;;
   start)
     rm -f $G/done; setsid bash "$0" plan > $G/perf.log 2>&1 < /dev/null & echo "plan pgid $!";;
@@ -39,5 +42,6 @@ case "$1" in
     if [ -n "${OUT:-}" ]; then
       cp $G/out/*.json $OUT/ 2>/dev/null; cp $G/out/smol/bench_extract.json $OUT/extract_smol.json 2>/dev/null
       cp $G/out/l8b/bench_extract.json $OUT/extract_l8b.json 2>/dev/null; cp $G/perf.log $OUT/ 2>/dev/null
+      cp $G/out/specpad/bench_train_speculators.json $OUT/bench_train_speculators_padded.json 2>/dev/null
     fi; true;;
 esac

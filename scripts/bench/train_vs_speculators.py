@@ -122,6 +122,8 @@ def _ours(cfg, res, fresh, store, val_packs, fwd):
     t0 = time.time()
     train.run(cfg)
     res["ours_wall_s"] = time.time() - t0
+    res["ours_pad_packs"] = train.pad_packs(cfg.train, torch.device(DEV))
+    res["ours_loss_chunk_tokens"] = cfg.train.loss_chunk_tokens
     rows = [json.loads(x) for x in (Path(cfg.run_dir) / "train" / "metrics.jsonl").read_text().splitlines()]
     loop = [r for r in rows if r["split"] == "train"]
     res["ours_tokens_per_s_logged"] = sum(r["tokens_per_s"] for r in loop[1:]) / max(len(loop) - 1, 1)
@@ -139,7 +141,9 @@ def _speculators(cfg, res, fresh, store, packs, val_packs, fwd, steps):
         print("no CUDA: speculators' Trainer hard-codes a CUDA device; skipped", json.dumps(res, indent=1))
         return
     model = fresh()
-    loader = torch.utils.data.DataLoader(SpecBatches(PackDataset(store.root, packs[:steps], t.tokens_per_pack)),
+    pad = os.environ.get("BENCH_SPEC_PAD") == "1"  # speculators on our fixed-shape packs too (isolates the padding)
+    res["speculators_pad_packs"] = pad
+    loader = torch.utils.data.DataLoader(SpecBatches(PackDataset(store.root, packs[:steps], t.tokens_per_pack, pad)),
                                          batch_size=None, num_workers=t.num_workers)
     spec_cfg = TrainerConfig(lr=t.lr, num_epochs=1, save_path=tempfile.mkdtemp(), train_call_kwargs=fwd,
                              val_call_kwargs=fwd, weight_decay=t.weight_decay, scheduler_type="cosine",
