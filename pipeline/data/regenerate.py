@@ -55,17 +55,22 @@ def _local_generator(cfg, folder: Path, tok):
         tok.pad_token = tok.eos_token
 
     def generate(prefixes: list[list[dict]], desc: str) -> list[str]:
-        out = []
-        for s in tqdm(range(0, len(prefixes), p.gen_batch_size), desc=desc):
-            texts = [tok.apply_chat_template(m, tokenize=False, add_generation_prompt=True)
-                     for m in prefixes[s: s + p.gen_batch_size]]
-            enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(device)
+        """Replies in the prefixes' order; batched longest first, so a batch holds prompts of similar length
+        (little left padding) and the largest batch comes first (an out-of-memory shows at once)."""
+        texts = [tok.apply_chat_template(m, tokenize=False, add_generation_prompt=True) for m in prefixes]
+        lengths = [len(ids) for ids in tok(texts, add_special_tokens=False)["input_ids"]] if texts else []
+        order = sorted(range(len(texts)), key=lambda i: -lengths[i])
+        out: list[str] = [""] * len(texts)
+        for s in tqdm(range(0, len(order), p.gen_batch_size), desc=desc):
+            rows = order[s: s + p.gen_batch_size]
+            enc = tok([texts[i] for i in rows], return_tensors="pt", padding=True, add_special_tokens=False).to(device)
             with torch.inference_mode():
                 gen = model.generate(**enc, max_new_tokens=p.max_new_tokens, do_sample=p.temperature > 0,
                                      temperature=p.temperature if p.temperature > 0 else None, top_p=None, top_k=None,
                                      eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
             new = gen[:, enc["input_ids"].shape[1]:]
-            out.extend(t.strip() for t in tok.batch_decode(new, skip_special_tokens=True))
+            for i, t in zip(rows, tok.batch_decode(new, skip_special_tokens=True)):
+                out[i] = t.strip()
         return out
 
     return generate

@@ -70,28 +70,33 @@ def test_truncation_drops_samples_left_without_supervision_and_counts_them(make_
 
 
 def test_regenerate_locally_replaces_assistant_turns_with_target_output(make_cfg, tmp_path):
+    """Every conversation's first reply is the target's own greedy answer to it (transformers' generate, one prompt
+    at a time, as the independent reference), also when the prompts are batched longest first across batches."""
     cfg = make_cfg("target=tiny", "data.limit=3", "prepare.regenerate=true", "prepare.max_new_tokens=5",
-                   run_dir=tmp_path)
+                   "prepare.gen_batch_size=2", run_dir=tmp_path)
     prepare.run(cfg)
     ds, stats = load_prepared(tmp_path)
     assert stats["regenerate"]["turns_replaced"] > 0
     original = {c["source_id"]: c for c in load_conversations(cfg.data)[0]}
     tok = targets.load_tokenizer(targets.resolve(cfg.target, cfg.cache_dir), cfg.target)
-    row = ds[0]
-    first_reply = supervised_runs(tok, row["input_ids"], row["loss_mask"])[0]
-    want = next(m["content"] for m in original[row["source_id"]]["messages"] if m["role"] == "assistant")
-    assert first_reply != want + "<|im_end|>"
-    # independent reference: greedy generation of the first assistant turn by the target itself
     import torch
     from transformers import AutoModelForCausalLM
     model = AutoModelForCausalLM.from_pretrained(targets.resolve(cfg.target, cfg.cache_dir), dtype=torch.float32)
-    msgs = original[row["source_id"]]["messages"]
-    prompt = tok.apply_chat_template(msgs[: next(i for i, m in enumerate(msgs) if m["role"] == "assistant")],
-                                     tokenize=False, add_generation_prompt=True)
-    enc = tok(prompt, return_tensors="pt", add_special_tokens=False)
-    out = model.generate(**enc, max_new_tokens=5, do_sample=False, eos_token_id=tok.eos_token_id,
-                         pad_token_id=tok.pad_token_id)
-    assert first_reply == tok.decode(out[0, enc["input_ids"].shape[1]:], skip_special_tokens=True).strip() + "<|im_end|>"
+    firsts = set()
+    assert len(ds) == 3
+    for row in ds:
+        first_reply = supervised_runs(tok, row["input_ids"], row["loss_mask"])[0]
+        msgs = original[row["source_id"]]["messages"]
+        want = next(m["content"] for m in msgs if m["role"] == "assistant")
+        assert first_reply != want + "<|im_end|>"
+        prompt = tok.apply_chat_template(msgs[: next(i for i, m in enumerate(msgs) if m["role"] == "assistant")],
+                                         tokenize=False, add_generation_prompt=True)
+        enc = tok(prompt, return_tensors="pt", add_special_tokens=False)
+        out = model.generate(**enc, max_new_tokens=5, do_sample=False, eos_token_id=tok.eos_token_id,
+                             pad_token_id=tok.pad_token_id)
+        assert first_reply == tok.decode(out[0, enc["input_ids"].shape[1]:], skip_special_tokens=True).strip() + "<|im_end|>"
+        firsts.add(first_reply)
+    assert len(firsts) > 1  # replies that differ: a reply handed to the wrong conversation would show
 
 
 class _TestChatServer(BaseHTTPRequestHandler):
