@@ -8,13 +8,15 @@
 # Phase 3, concurrently: export + evaluate of those two; the 3-epoch fp8 draft, and two recipe variants (run dirs
 #   ttt7, ttt7_e6; their overrides VARIANT_A / VARIANT_B, by default TTT 7, and TTT 7 for 6 epochs with tau probed
 #   every epoch and select=tau: measured 2026-12-02), each ending in evaluate on heldout / MT-bench / HumanEval.
+#   DATA_ARGS adds data overrides to every run, e.g. DATA_ARGS="data.limit=null" (all 4,017 usable chitchat
+#   conversations, first 3 assistant turns: 10,221 turns to regenerate, 2x the default's 5,063).
 #   Next: VARIANT_A="train.epochs=6 train.eval_tau_every_steps=78" (TTT 3, 6 epochs, the same 80 prompts)
 #         VARIANT_B="train.ttt_steps=7 train.epochs=6 train.lr=1e-3 train.eval_tau_every_steps=78 train.select=tau"
 # scripts/bench/online_fp8_recipe_report.py gathers every run dir into one JSON.
 set -u
 G=${PLAN_DIR:-/tmp/g}; L=$G/logs; mkdir -p $L
 A=${PLAN_ARGS:-"+experiment=gpu_smollm2 target.path=/tmp/model/smol.gguf cache_dir=/tmp/epcache prepare.gen_batch_size=512 \
-train.pad_packs=true export.engines=[sglang] eval.sets=[heldout,mt_bench,mt_bench_turn2,humaneval] eval.num_prompts=80 eval.batch_size=40"}
+train.pad_packs=true export.engines=[sglang] eval.sets=[heldout,mt_bench,mt_bench_turn2,humaneval] eval.num_prompts=80 eval.batch_size=40 ${DATA_ARGS:-}"}
 declare -A V=([bf16]="" [fp8]="extract.store_dtype=fp8_e4m3" [online]="train.features=online"
               [ttt7]=${VARIANT_A:-"train.ttt_steps=7 train.eval_tau_every_steps=78"}
               [ttt7_e6]=${VARIANT_B:-"train.ttt_steps=7 train.epochs=6 train.eval_tau_every_steps=78 train.select=tau"})
