@@ -209,9 +209,15 @@ def greedy_answers(cfg, store, prompts: list[list[int]], max_new: int) -> list[s
     model = targets.load_model(folder, cfg.target, device, torch.float32, "sdpa")
     capture = Capture(model, store.aux_layer_ids)
     size = max(e.batch_size, 1)
-    with torch.no_grad():
-        ids = [g for i in range(0, len(prompts), size)
-               for g in batched.greedy(model, capture, prompts[i: i + size], max_new, tok.eos_token_id)]
+    try:
+        with torch.no_grad():
+            ids = [g for i in range(0, len(prompts), size)
+                   for g in batched.greedy(model, capture, prompts[i: i + size], max_new, tok.eos_token_id)]
+    finally:  # the hooks hold the model: without this its fp32 copy outlives the call (measure loads another)
+        capture.remove()
+        del model, capture
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
     return [tok.decode(g, skip_special_tokens=True).strip() for g in ids]
 
 

@@ -65,8 +65,9 @@ def _generate(client, url: str, engine: str, model: str | None, prompt: list[int
         meta = body.get("meta_info") or {}
         return {"completion_tokens": int(meta.get("completion_tokens", 0)),
                 "verify_ct": int(meta.get("spec_verify_ct", 0)), "text": body.get("text") or ""}
+    choices = body.get("choices") or [{}]
     return {"completion_tokens": int(body["usage"]["completion_tokens"]), "verify_ct": 0,
-            "text": body["choices"][0].get("text") or ""}
+            "text": choices[0].get("text") or ""}
 
 
 def greedy_answers(cfg, store, prompts: list[list[int]], max_new: int) -> list[str]:

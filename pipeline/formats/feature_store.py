@@ -96,6 +96,8 @@ def encode_fp8(x: torch.Tensor, groups: int, chunk_rows: Optional[int] = None) -
     Encoded chunk_rows tokens at a time (default: ~256 MB of fp32 working copy), so a capture batch at Kimi-K2.5's
     shape (64K tokens x 3 x 7168) needs a chunk's fp32 copies on the GPU, not two of the whole batch's 5.6 GB."""
     n, width = x.shape
+    if width % groups:
+        raise ValueError(f"encode_fp8: width {width} is not {groups} equal groups")
     rows = chunk_rows or max(1, 2 ** 26 // max(width, 1))
     bits = torch.empty(n, width, dtype=torch.uint8, device=x.device)
     scales = torch.empty(n, groups, dtype=torch.float32, device=x.device)

@@ -44,13 +44,9 @@ class _ChunkedKL(torch.autograd.Function):
         return grad.reshape(logits.shape), None, None
 
 
-@torch.compiler.disable
 def chunked_kl_div_loss(logits: torch.Tensor, targets: torch.Tensor, chunk: int = 2048) -> torch.Tensor:
     """Per-position KL(softmax(targets) || softmax(logits)), [1, seq_len], as speculators' eager kl_div_loss.
-    The targets carry no gradient (the verifier's logits, computed under no_grad).
-    Never traced by dynamo: speculators compiles the draft's forward on CUDA, and torch 2.11's dynamo fails an
-    assertion tracing this autograd.Function (H200, 2026-12-02: every TTT-3 run of stage train stopped at the first
-    step); it runs eagerly inside the compiled forward (a graph break), as speculators' own attention does."""
+    The targets carry no gradient (the verifier's logits, computed under no_grad)."""
     if targets.requires_grad:
         raise ValueError("chunked_kl_div_loss: the targets must not require grad (the verifier's logits)")
     return _ChunkedKL.apply(logits, targets.detach(), chunk)
@@ -62,5 +58,16 @@ def loss_config(spec: str, chunk_tokens: int | None):
 
     config = resolve_loss_config(spec, "eager")
     if chunk_tokens and "kl_div" in config:
-        config = {**config, "kl_div": (partial(chunked_kl_div_loss, chunk=chunk_tokens), config["kl_div"][1])}
+        config = {**config, "kl_div": (never_compiled(partial(chunked_kl_div_loss, chunk=chunk_tokens)),
+                                       config["kl_div"][1])}
     return config
+
+
+def never_compiled(fn):
+    """fn as a graph break where speculators compiles the draft's forward (CUDA): torch 2.11's dynamo fails an
+    assertion tracing the chunked loss's autograd.Function (H200, 2026-12-02: every TTT-3 run of stage train stopped
+    at its first step), so it runs eagerly inside the compiled forward, as speculators' own attention does.
+    Without CUDA nothing is compiled and fn stays as it is: torch.compiler.disable imports dynamo, and with dynamo
+    imported two gloo ranks of DDP on CPU hung in the process group's destructor at exit (tests/integration/
+    test_ranks.py)."""
+    return torch.compiler.disable(fn) if torch.cuda.is_available() else fn

@@ -41,6 +41,8 @@ ONLINE_ONLY = ("baseline_endpoint", "endpoint_concurrency")
 def fingerprint(cfg) -> str:
     m = RunDir.of(cfg).export("sglang") / "export_manifest.json"
     unread = OFFLINE_ONLY if cfg.eval.endpoint else ONLINE_ONLY
+    if not any(name in prompt_sets.SECOND_TURN for name in cfg.eval.sets):  # read by second-turn sets only
+        unread += ("first_answer_tokens",)
     return digest({"export": m.read_text() if m.exists() else None, "eval": shaping(cfg.eval, NOT_SHAPING + unread)})
 
 
@@ -103,30 +105,43 @@ def set_prompts(cfg, store, name: str, n: int, prompt_tokens: int, bench=None) -
     rows = prompt_sets.load(first_of or name)
     if first_of:
         rows = [r for r in rows if len(r["turns"]) > 1]
-    prompts, too_long = [], 0
+    firsts, too_long = [], 0
     for row in rows:
         ids = ids_of([{"role": "user", "content": row["text"]}])
         if len(ids) > prompt_tokens:
             too_long += 1
             continue
-        prompts.append((row, ids))
-        if len(prompts) >= n:
+        firsts.append((row, ids))
+        if not first_of and len(firsts) >= n:
             break
-    if first_of and prompts:
-        limit = prompt_tokens + cfg.eval.first_answer_tokens
-        log.info("evaluate: %s: the target answers %d first turns (greedy, <= %d tokens)", name, len(prompts),
+    if not first_of:
+        prompts = [ids for _, ids in firsts]
+    else:  # the target answers the first turns n at a time until n second-turn prompts fit (or none are left)
+        bench = bench or offline_bench
+        limit, prompts = prompt_tokens + cfg.eval.first_answer_tokens, []
+        log.info("evaluate: %s: the target answers first turns (greedy, <= %d tokens)", name,
                  cfg.eval.first_answer_tokens)
-        answers = bench.greedy_answers(cfg, store, [ids for _, ids in prompts], cfg.eval.first_answer_tokens)
-        second = [ids_of([{"role": "user", "content": row["turns"][0]}, {"role": "assistant", "content": answer},
-                          {"role": "user", "content": row["turns"][1]}]) for (row, _), answer in zip(prompts, answers)]
-        too_long += sum(len(ids) > limit for ids in second)
-        prompts = [(row, ids) for (row, _), ids in zip(prompts, second) if len(ids) <= limit]
+        for a in range(0, len(firsts), n):
+            chunk = firsts[a: a + n]
+            answers = bench.greedy_answers(cfg, store, [ids for _, ids in chunk], cfg.eval.first_answer_tokens)
+            if not all(answers):
+                log.warning("evaluate: %s: %d empty first answers (the second turn follows an empty reply)", name,
+                            sum(not x for x in answers))
+            for (row, _), answer in zip(chunk, answers):
+                ids = ids_of([{"role": "user", "content": row["turns"][0]}, {"role": "assistant", "content": answer},
+                              {"role": "user", "content": row["turns"][1]}])
+                if len(ids) > limit:
+                    too_long += 1
+                elif len(prompts) < n:
+                    prompts.append(ids)
+            if len(prompts) >= n:
+                break
     if too_long:
         log.warning("evaluate: %d %s prompts longer than eval.prompt_tokens=%d%s skipped", too_long, name, prompt_tokens,
                     " (+ eval.first_answer_tokens)" if first_of else "")
     if not prompts:
         raise UserError(f"no {name} prompt fits eval.prompt_tokens={prompt_tokens}; raise it")
-    return [ids for _, ids in prompts]
+    return prompts
 
 
 def _sets_table(cfg) -> None:

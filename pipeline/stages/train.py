@@ -101,6 +101,8 @@ def _shaping(t, leave_out: tuple[str, ...]) -> dict:
     """The train section as fingerprinted: a knob added later leaves the fingerprint at its default (the Llama
     draft, DDP, offline features, no tau, select=last), so runs trained before it existed are not retrained."""
     data = shaping(t, leave_out)
+    if data.get("pad_packs") is None:  # null: padded on CUDA only; the same loss either way (tests hold it), so it
+        data["pad_packs"] = False      # hashes as the earlier default and no finished run is retrained for it
     for key, default in (("draft_arch", "llama"), ("strategy", "ddp"), ("features", "offline"),
                          ("eval_tau_every_steps", None), ("select", "last"), ("loss_chunk_tokens", 2048)):  # knobs added later, at their defaults
         if key in data and data[key] == default:
@@ -179,6 +181,8 @@ class Progress:
 def run(cfg) -> Path:
     check(cfg)
     s, plan = _setup(cfg)
+    if s.accelerator.device.type == "cuda":  # peak_memory: this stage's, not extract's in the same process
+        torch.cuda.reset_peak_memory_stats(s.accelerator.device)
     progress = _resume_or_clear(cfg, s)
     _start_logging(cfg, s, plan, progress)
     _loop(cfg, s, plan, progress)
@@ -622,7 +626,7 @@ def _selected(cfg, root: Path, step: int) -> dict:
 
 
 def _peak_memory(device) -> dict:
-    """Rank 0's peak CUDA allocation over the whole stage (draft, optimizer, activations; with
+    """Rank 0's peak CUDA allocation over the stage since run() reset it (draft, optimizer, activations; with
     train.features=online the target replica too); {} off CUDA."""
     if getattr(device, "type", str(device)) != "cuda" or not torch.cuda.is_available():
         return {}

@@ -9,7 +9,8 @@
 #   ttt7, ttt7_e6; their overrides VARIANT_A / VARIANT_B, by default TTT 7, and TTT 7 for 6 epochs with tau probed
 #   every epoch and select=tau: measured 2026-12-02), each ending in evaluate on heldout / MT-bench / HumanEval.
 #   DATA_ARGS adds data overrides to every run, e.g. DATA_ARGS="data.limit=null" (all 4,017 usable chitchat
-#   conversations, first 3 assistant turns: 10,221 turns to regenerate, 2x the default's 5,063).
+#   conversations, first 3 assistant turns: 10,221 turns to regenerate, 2x the default's 5,063; then an epoch is
+#   ~156 steps and eval_tau_every_steps=78 probes every half epoch).
 #   Next: VARIANT_A="train.epochs=6 train.eval_tau_every_steps=78" (TTT 3, 6 epochs, the same 80 prompts)
 #         VARIANT_B="train.ttt_steps=7 train.epochs=6 train.lr=1e-3 train.eval_tau_every_steps=78 train.select=tau"
 # scripts/bench/online_fp8_recipe_report.py gathers every run dir into one JSON.

@@ -5,8 +5,8 @@ The draft is speculators' Eagle3DraftModel at a target's declared layer shape (c
 heads, intermediate), random init, fp32 master weights, trained as stage train trains it: bf16 autocast, the
 loss train.loss_chunk_tokens configures, AdamW (0.9, 0.95) on the trainable parameters, gradient clipping. The
 features are random, made on the GPU (no target, no store: this measures the step, not the loader).
-FLOPs are counted by torch itself (torch.utils.flop_counter.FlopCounterMode over one whole step: every TTT
-step's forward and backward, the attention as the kernels compute it, masked positions included); MFU = counted
+FLOPs are counted by torch itself (torch.utils.flop_counter.FlopCounterMode over one whole step run eagerly: every
+TTT step's forward and backward, the attention as the kernels compute it, masked positions included); MFU = counted
 FLOPs per second / the GPU's dense bf16 peak (--peak-tflops, 989 for an H100/H200 SXM).
 Usage:  python scripts/bench/train_mfu.py --target llama3_8b --tokens 8192 16384 --ttt 7 --steps 10
 Writes train_mfu.json to $OUT (or the current folder) and prints a table.
@@ -38,9 +38,9 @@ def shape_of(target: str, tokens: int, ttt: int, draft_vocab: int) -> memory.Dra
 
 
 def one(s: memory.DraftShape, vocab: int, steps: int, warmup: int, chunk, device, attn: str = "sdpa") -> dict:
-    torch.cuda.empty_cache() if device.type == "cuda" else None
+    torch._dynamo.reset()  # each row compiles its own static shapes (no graph made dynamic by the row before)
     if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
+        torch.cuda.empty_cache()
     model, batch = memory.random_draft(s, vocab, device, attn=attn)
     trainable = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(trainable, lr=1e-4, betas=(0.9, 0.95))
@@ -55,12 +55,14 @@ def one(s: memory.DraftShape, vocab: int, steps: int, warmup: int, chunk, device
         opt.zero_grad(set_to_none=True)
 
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    with torch.compiler.set_stance("force_eager"), FlopCounterMode(display=False) as counter:
+        step()  # counted eagerly: the counter sees every aten op (inside a compiled graph it would see none)
+    flops = counter.get_total_flops()
     for _ in range(warmup):  # compilation (speculators compiles its forward on CUDA) and the allocator settle
         step()
-    with FlopCounterMode(display=False) as counter:
-        step()
-    flops = counter.get_total_flops()
     sync()
+    if device.type == "cuda":  # the peak of the timed steps (what a long run holds), not of the eager count
+        torch.cuda.reset_peak_memory_stats(device)
     t0 = time.perf_counter()
     for _ in range(steps):
         step()

@@ -77,15 +77,20 @@ def main(overrides: list[str]) -> None:
 
     train._micro_step = timed
     t_all = time.perf_counter()
-    run_stages(cfg)
+    try:
+        run_stages(cfg)
+    finally:
+        if "t0" in window and "wall_s" not in window:  # the run ended inside the profiled window
+            sync()
+            window["wall_s"] = time.perf_counter() - window["t0"]
+            prof.stop()
     total = time.perf_counter() - t_all
     res = {"bench": "train_profile", "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
            "host": socket.gethostname(), "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
            "torch": torch.__version__, "command": "python scripts/bench/train_profile.py " + " ".join(overrides),
            "micro_steps": calls[0], "stage_wall_s": round(total, 2)}
-    steady = slice(SKIP, None)  # after compilation and warm-up
     for k, v in times.items():
-        v = v[steady]
+        v = v[SKIP - (k == "wait"):] if SKIP else v  # after compilation and warm-up (wait i precedes step i + 1)
         res[f"{k}_s_mean"] = sum(v) / max(len(v), 1)
         res[f"{k}_s_total"] = sum(v)
     res["step_fraction"] = res["step_s_total"] / max(res["step_s_total"] + res["wait_s_total"], 1e-9)
@@ -93,7 +98,7 @@ def main(overrides: list[str]) -> None:
     if "wall_s" in window:
         events = prof.key_averages()
         dev_us = _busy_us(prof.events())
-        res["profiled_steps"] = STEPS
+        res["profiled_steps"] = min(STEPS, calls[0] - SKIP)
         res["profiled_wall_s"] = window["wall_s"]
         res["gpu_busy_s"] = dev_us / 1e6
         res["gpu_busy_fraction"] = res["gpu_busy_s"] / window["wall_s"]

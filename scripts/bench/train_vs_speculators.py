@@ -43,7 +43,9 @@ def evaluate(model, store, packs, cfg, fwd):
     model.eval()
     sums = defaultdict(float)
     for pack in packs:
-        batch = {k: v.to(DEV) for k, v in collate(store, pack, cfg.train.tokens_per_pack).items()}
+        # the packs' shape as ours trains them (padded on CUDA): an unpadded warm-up would make dynamo's graph dynamic
+        batch = {k: v.to(DEV) for k, v in collate(store, pack, cfg.train.tokens_per_pack,
+                                                  train.pad_packs(cfg.train, torch.device(DEV))).items()}
         if DEV == "cpu":  # no autocast on CPU: run fp32 like the CPU training path
             batch = {k: v.float() if v.is_floating_point() else v for k, v in batch.items()}
         with torch.autocast(DEV, dtype=torch.bfloat16, enabled=DEV == "cuda"):

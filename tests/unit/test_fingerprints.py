@@ -54,6 +54,20 @@ def test_online_evaluate_hashes_what_the_online_bench_reads(make_cfg, tmp_path, 
     assert (fp(evaluate, make_cfg, tmp_path, online, override) == fp(evaluate, make_cfg, tmp_path, online)) is same
 
 
+def test_first_answer_tokens_is_hashed_only_when_a_second_turn_set_reads_it(make_cfg, tmp_path):
+    """A knob added later (mt_bench_turn2's first answers) leaves earlier evaluate fingerprints as they were."""
+    change = "eval.first_answer_tokens=17"
+    assert fp(evaluate, make_cfg, tmp_path, change) == fp(evaluate, make_cfg, tmp_path)
+    turn2 = "eval.sets=[heldout,mt_bench_turn2]"
+    assert fp(evaluate, make_cfg, tmp_path, turn2, change) != fp(evaluate, make_cfg, tmp_path, turn2)
+
+
+def test_train_pad_packs_null_hashes_as_the_earlier_default(make_cfg, tmp_path):
+    """pad_packs=null (padded on CUDA only) gives the same loss as unpadded: runs trained before it are not retrained."""
+    assert fp(train, make_cfg, tmp_path) == fp(train, make_cfg, tmp_path, "train.pad_packs=false")
+    assert fp(train, make_cfg, tmp_path) != fp(train, make_cfg, tmp_path, "train.pad_packs=true")
+
+
 def test_shaping_refuses_a_left_out_knob_the_section_does_not_have(make_cfg):
     cfg = make_cfg("+experiment=tiny")
     assert "num_workers" not in shaping(cfg.train, train.NOT_SHAPING)

@@ -117,3 +117,33 @@ class Ctx:
 
     def __exit__(self, *exc):
         return False
+
+
+def test_first_answers_for_a_second_turn_come_from_the_server_in_prompt_order(monkeypatch):
+    """eval.endpoint with mt_bench_turn2: the served target's greedy answer to each first turn, in prompt order,
+    from vLLM's completion text and SGLang's /generate text."""
+    from types import SimpleNamespace
+
+    class Server(Client):
+        def __init__(self, engine):
+            super().__init__([metrics(0, 0, 0, [])])
+            self.engine = engine
+
+        def get(self, url):
+            if url.endswith("/get_server_info"):
+                return Response(200 if self.engine == "sglang" else 404)
+            return super().get(url)
+
+        def post(self, url, json):
+            assert json.get("temperature", json.get("sampling_params", {}).get("temperature")) == 0.0
+            if self.engine == "sglang":
+                assert url.endswith("/generate")
+                return Response(body={"text": f" answer {json['input_ids'][0]} ", "meta_info": {"completion_tokens": 3}})
+            limit = json["max_tokens"]
+            return Response(body={"usage": {"completion_tokens": limit}, "choices": [{"text": f"answer {json['prompt'][0]}"}]})
+
+    cfg = SimpleNamespace(eval=SimpleNamespace(endpoint="http://x/", endpoint_timeout_s=5, endpoint_concurrency=3))
+    for engine in ("sglang", "vllm"):
+        monkeypatch.setattr("httpx.Client", lambda timeout, s=Server(engine): Ctx(s))
+        got = online_bench.greedy_answers(cfg, None, [[7, 1], [3], [9, 2, 2]], 16)
+        assert got == ["answer 7", "answer 3", "answer 9"], engine
