@@ -83,8 +83,7 @@ def run(cfg) -> Path:
                    else set_prompts(cfg, store, name, e.num_prompts, e.prompt_tokens, bench))
         log.info("evaluate: set %s, %d prompts", name, len(prompts))
         bench.measure(cfg, store, prompts, set_dir(cfg, name))
-    if not e.endpoint:
-        _sets_table(cfg)
+    _sets_table(cfg)
     return out_dir(cfg)
 
 
@@ -145,15 +144,29 @@ def set_prompts(cfg, store, name: str, n: int, prompt_tokens: int, bench=None) -
 
 
 def _sets_table(cfg) -> None:
-    """eval/sets.json and a log table: tau per set and draft length (the trained draft)."""
+    """eval/sets.json and a log table, one row per prompt set: offline, tau of the trained draft per draft length;
+    online (eval.endpoint), the server's accept length and, with a baseline server, the speedup (SpecBundle's
+    shape: one accept length per benchmark at the server's own steps / topk / draft tokens)."""
     rows = {}
-    for name in cfg.eval.sets:
-        report = json.loads((set_dir(cfg, name) / "acceptance.json").read_text())
-        rows[name] = {"prompts": report["prompts"], "tau": {k: r["tau"] for k, r in report["trained"].items()}}
-    ks = sorted({k for r in rows.values() for k in r["tau"]}, key=int)
-    lines = [f"{'set':<12}{'prompts':>8}" + "".join(f"{'k=' + k:>8}" for k in ks)]
-    lines += [f"{name:<12}{r['prompts']:>8}" + "".join(f"{r['tau'][k]:>8.3f}" for k in ks) for name, r in rows.items()]
-    log.info("evaluate, tau of the trained draft per prompt set:\n%s", "\n".join(lines))
+    if cfg.eval.endpoint:
+        for name in cfg.eval.sets:
+            report = json.loads((set_dir(cfg, name) / "online.json").read_text())
+            spec = report["speculative"]
+            rows[name] = {"prompts": spec["requests"], "accept_length": spec["accept_length"],
+                          "tokens_per_s": spec["tokens_per_s"], "speedup": report.get("speedup")}
+        lines = [f"{'set':<16}{'prompts':>8}{'accept length':>15}{'tokens/s':>11}{'speedup':>9}"]
+        lines += [f"{name:<16}{r['prompts']:>8}" + (f"{r['accept_length']:>15.3f}" if r["accept_length"] else f"{'n/a':>15}")
+                  + f"{r['tokens_per_s']:>11.1f}" + (f"{r['speedup']:>9.2f}" if r["speedup"] else f"{'':>9}")
+                  for name, r in rows.items()]
+        log.info("evaluate, the server's accept length per prompt set (%s):\n%s", cfg.eval.endpoint, "\n".join(lines))
+    else:
+        for name in cfg.eval.sets:
+            report = json.loads((set_dir(cfg, name) / "acceptance.json").read_text())
+            rows[name] = {"prompts": report["prompts"], "tau": {k: r["tau"] for k, r in report["trained"].items()}}
+        ks = sorted({k for r in rows.values() for k in r["tau"]}, key=int)
+        lines = [f"{'set':<16}{'prompts':>8}" + "".join(f"{'k=' + k:>8}" for k in ks)]
+        lines += [f"{name:<16}{r['prompts']:>8}" + "".join(f"{r['tau'][k]:>8.3f}" for k in ks) for name, r in rows.items()]
+        log.info("evaluate, tau of the trained draft per prompt set:\n%s", "\n".join(lines))
     out_dir(cfg).mkdir(parents=True, exist_ok=True)
     (out_dir(cfg) / "sets.json").write_text(json.dumps(rows, indent=1))
 

@@ -138,3 +138,19 @@ def test_a_dead_baseline_keeps_the_speculative_half(exported_run, make_cfg, serv
         _online(make_cfg, run_dir, f"eval.endpoint={serve(SGLangLikeTestServer)}", "eval.baseline_endpoint=http://127.0.0.1:9")
     report = json.loads((run_dir / "eval" / "online.json").read_text())
     assert report["speculative"]["accept_length"] == pytest.approx(2.5) and "is the server running" in report["baseline_error"]
+
+
+def test_online_accept_length_per_prompt_set_in_one_table(exported_run, make_cfg, serve):
+    """eval.endpoint with eval.sets: one online.json per set and one table (eval/sets.json) of the server's accept
+    length and speedup per set; mt_bench_turn2's first answers come from the server itself."""
+    run_dir, _ = exported_run
+    url, base = serve(SGLangLikeTestServer), serve(vllm_like(speculates=False))
+    run_stages(make_cfg("+experiment=tiny", "data.limit=16", "stage=evaluate", "eval.max_new_tokens=10",
+                        "eval.num_prompts=2", "eval.sets=[heldout,mt_bench,mt_bench_turn2,humaneval]",
+                        f"eval.endpoint={url}", f"eval.baseline_endpoint={base}", run_dir=run_dir))
+    table = json.loads((run_dir / "eval" / "sets.json").read_text())
+    assert list(table) == ["heldout", "mt_bench", "mt_bench_turn2", "humaneval"]
+    for name, row in table.items():
+        per_set = json.loads((run_dir / "eval" / ("" if name == "heldout" else name) / "online.json").read_text())
+        assert row["prompts"] == 2 and row["accept_length"] == pytest.approx(2.5), name
+        assert row["speedup"] == pytest.approx(per_set["speedup"]) and row["speedup"] > 0, name
