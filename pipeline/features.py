@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from pipeline import __version__
-from pipeline.engines.hf_capture import CONVENTION, Capture, aux_layer_ids, pad_batch
+from pipeline.engines.hf_capture import CONVENTION, Capture, aux_layer_ids, pad_batch, plan_batches
 from pipeline.errors import UserError
 from pipeline.fingerprint import digest
 from pipeline.formats import feature_store as fs
@@ -159,12 +159,12 @@ class OnlineFeatures(fs.FactsView):
 
     # ---- online only
     def prefetch(self, ids: list[int]) -> None:
-        """The states of these samples in one padded forward (longest first, as extract batches); the cache
+        """The states of these samples in padded forwards batched as extract batches (plan_batches); the cache
         holds only these afterwards (a pack's samples)."""
         keep = {i: self._cache[i] for i in ids if i in self._cache}
         need = sorted({int(i) for i in ids} - set(keep), key=lambda i: (-len(self._ds[i]["input_ids"]), i))
         rows = {i: self.tokens(i) for i in need}
-        for group in self._batches([len(rows[i]["input_ids"]) for i in need]):  # longest first, as extract
+        for group in plan_batches([len(rows[i]["input_ids"]) for i in need], self._batch_tokens, self._max_batch):
             ids = [need[j] for j in group]
             input_ids, attn = pad_batch([rows[i]["input_ids"] for i in ids])
             capture = self._target()
@@ -174,17 +174,6 @@ class OnlineFeatures(fs.FactsView):
                 keep[i] = {**rows[i], "aux_hidden": aux[r, :n].clone(), "last_hidden": last[r, :n].clone()}
             capture.release()  # the padded states: not kept through the draft's forward and backward
         self._cache = keep
-
-    def _batches(self, lengths: list[int]) -> list[list[int]]:
-        """Positions of `lengths` (sorted longest first) in groups of padded size <= extract.batch_tokens."""
-        groups, current = [], []
-        for j, n in enumerate(lengths):
-            if current and ((len(current) + 1) * lengths[current[0]] > self._batch_tokens
-                            or len(current) >= self._max_batch):
-                groups.append(current)
-                current = []
-            current.append(j)
-        return groups + ([current] if current else [])
 
     def _target(self) -> Capture:
         if self._capture is None:  # loaded on the first states asked for: vocab/export/evaluate never load it

@@ -199,16 +199,20 @@ def speculate(model, capture: Capture, dr: ExportedDraft, prompt: list[int], max
     return generated[:max_new], rounds
 
 
+def _target(cfg, store):
+    """(folder, tokenizer, device, model, capture hooks): the target in fp32 on eval.device (fp32: greedy
+    equality is exact, not bf16-noisy)."""
+    folder = Path(store.facts["target_path"])
+    device, _ = targets.pick_device_dtype(cfg.eval.device, "fp32")
+    model = targets.load_model(folder, cfg.target, device, torch.float32, "sdpa")
+    return folder, targets.load_tokenizer(folder, cfg.target), device, model, Capture(model, store.aux_layer_ids)
+
+
 def greedy_answers(cfg, store, prompts: list[list[int]], max_new: int) -> list[str]:
     """The target's own greedy answer to each prompt (fp32 on eval.device, eval.batch_size prompts at a time), at most
     max_new tokens, decoded: what evaluate puts before a second turn (mt_bench_turn2)."""
-    e = cfg.eval
-    folder = Path(store.facts["target_path"])
-    tok = targets.load_tokenizer(folder, cfg.target)
-    device, _ = targets.pick_device_dtype(e.device, "fp32")
-    model = targets.load_model(folder, cfg.target, device, torch.float32, "sdpa")
-    capture = Capture(model, store.aux_layer_ids)
-    size = max(e.batch_size, 1)
+    _, tok, device, model, capture = _target(cfg, store)
+    size = max(cfg.eval.batch_size, 1)
     try:
         with torch.no_grad():
             ids = [g for i in range(0, len(prompts), size)
@@ -225,11 +229,7 @@ def measure(cfg, store, prompts: list[list[int]], out: Path) -> Path:
     """tau of the exported draft (and of an untrained one) over the prompts; out/acceptance.json + tau.png."""
     e = cfg.eval
     export = RunDir.of(cfg).export("sglang")  # its presence is the stage's precondition (evaluate.run)
-    folder = Path(store.facts["target_path"])
-    tok = targets.load_tokenizer(folder, cfg.target)
-    device, _ = targets.pick_device_dtype(e.device, "fp32")  # fp32: greedy equality is exact, not bf16-noisy
-    model = targets.load_model(folder, cfg.target, device, torch.float32, "sdpa")
-    capture = Capture(model, store.aux_layer_ids)
+    folder, tok, device, model, capture = _target(cfg, store)
     config = json.loads((export / "config.json").read_text())
     embed = model.get_input_embeddings().weight.detach()
     trained = ExportedDraft(load_file(str(export / "model.safetensors")), config, embed, device)

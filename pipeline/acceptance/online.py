@@ -70,6 +70,17 @@ def _generate(client, url: str, engine: str, model: str | None, prompt: list[int
             "text": choices[0].get("text") or ""}
 
 
+def _connect(client, url: str) -> tuple[str, str | None]:
+    """(engine, served model name: vLLM's completions need it) of the server at url; unreachable: one line."""
+    import httpx
+
+    try:
+        engine = detect_engine(client, url)
+    except httpx.HTTPError as e:
+        raise UserError(f"eval endpoint {url}: {type(e).__name__}: {e}; is the server running?") from None
+    return engine, client.get(url + "/v1/models").json()["data"][0]["id"] if engine == "vllm" else None
+
+
 def greedy_answers(cfg, store, prompts: list[list[int]], max_new: int) -> list[str]:
     """The served target's greedy answer to each prompt (text), at most max_new tokens: what evaluate puts before
     a second turn (mt_bench_turn2). The same entry shape as offline_bench.greedy_answers."""
@@ -78,11 +89,7 @@ def greedy_answers(cfg, store, prompts: list[list[int]], max_new: int) -> list[s
     e = cfg.eval
     url = e.endpoint.rstrip("/")
     with httpx.Client(timeout=e.endpoint_timeout_s) as client:
-        try:
-            engine = detect_engine(client, url)
-        except httpx.HTTPError as err:
-            raise UserError(f"eval endpoint {url}: {type(err).__name__}: {err}; is the server running?") from None
-        model = client.get(url + "/v1/models").json()["data"][0]["id"] if engine == "vllm" else None
+        engine, model = _connect(client, url)
         with ThreadPoolExecutor(e.endpoint_concurrency) as pool:
             return [r["text"].strip() for r in pool.map(lambda p: _generate(client, url, engine, model, p, max_new), prompts)]
 
@@ -93,11 +100,7 @@ def bench(url: str, prompts: list[list[int]], max_new: int, concurrency: int, ti
 
     url = url.rstrip("/")
     with httpx.Client(timeout=timeout_s) as client:
-        try:
-            engine = detect_engine(client, url)
-        except httpx.HTTPError as e:
-            raise UserError(f"eval endpoint {url}: {type(e).__name__}: {e}; is the server running?") from None
-        model = client.get(url + "/v1/models").json()["data"][0]["id"] if engine == "vllm" else None
+        engine, model = _connect(client, url)
         before = vllm_counters(client, url) if engine == "vllm" else None
         t0 = time.perf_counter()
         with ThreadPoolExecutor(concurrency) as pool:

@@ -51,6 +51,22 @@ def pad_batch(seqs: list) -> tuple[torch.Tensor, torch.Tensor]:
     return input_ids, attn
 
 
+def plan_batches(lengths: list[int], batch_tokens: int, max_batch_size: int) -> list[list[int]]:
+    """Length-bucketed batches of local indices: longest first, padded size <= batch_tokens. Extract's batches,
+    and the online source's for a pack (the same limits, extract.batch_tokens / max_batch_size)."""
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    batches, current = [], []
+    for i in order:
+        longest = lengths[current[0]] if current else lengths[i]
+        if current and ((len(current) + 1) * longest > batch_tokens or len(current) >= max_batch_size):
+            batches.append(current)
+            current = []
+        current.append(i)
+    if current:
+        batches.append(current)
+    return batches
+
+
 class Capture:
     """Forward hooks on decoder layers. `__call__` runs the decoder and returns (aux [B,T,n*H], last [B,T,H])
     in bf16; `states()` returns the same from the model's most recent forward, whoever ran it."""

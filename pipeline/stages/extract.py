@@ -27,7 +27,7 @@ from omegaconf import OmegaConf
 from tqdm import tqdm
 
 from pipeline import features
-from pipeline.engines.hf_capture import Capture, pad_batch
+from pipeline.engines.hf_capture import Capture, pad_batch, plan_batches
 from pipeline.errors import UserError
 from pipeline.fingerprint import digest
 from pipeline.formats import feature_store as fs
@@ -98,21 +98,6 @@ def plan_shards(lengths: np.ndarray, shard_tokens: int) -> list[fs.ShardSpec]:
     if current:
         shards.append(fs.ShardSpec(len(shards), start, current))
     return shards
-
-
-def plan_batches(lengths: list[int], batch_tokens: int, max_batch_size: int) -> list[list[int]]:
-    """Length-bucketed batches of local indices: longest first, padded size <= batch_tokens."""
-    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
-    batches, current = [], []
-    for i in order:
-        longest = lengths[current[0]] if current else lengths[i]
-        if current and ((len(current) + 1) * longest > batch_tokens or len(current) >= max_batch_size):
-            batches.append(current)
-            current = []
-        current.append(i)
-    if current:
-        batches.append(current)
-    return batches
 
 
 def ranks() -> tuple[int, int]:

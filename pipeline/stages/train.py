@@ -628,7 +628,7 @@ def _selected(cfg, root: Path, step: int) -> dict:
 def _peak_memory(device) -> dict:
     """Rank 0's peak CUDA allocation over the stage since run() reset it (draft, optimizer, activations; with
     train.features=online the target replica too); {} off CUDA."""
-    if getattr(device, "type", str(device)) != "cuda" or not torch.cuda.is_available():
+    if device.type != "cuda":
         return {}
     return {"device": torch.cuda.get_device_name(device), "max_allocated_bytes": torch.cuda.max_memory_allocated(device),
             "max_reserved_bytes": torch.cuda.max_memory_reserved(device)}

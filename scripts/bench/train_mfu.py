@@ -28,13 +28,15 @@ from torch.utils.flop_counter import FlopCounterMode
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 from pipeline.models import losses, memory  # noqa: E402
+from pipeline.tools import plan  # noqa: E402
 
 
-def shape_of(target: str, tokens: int, ttt: int, draft_vocab: int) -> memory.DraftShape:
+def shape_of(target: str, tokens: int, ttt: int, draft_vocab: int) -> tuple[memory.DraftShape, int]:
+    """The draft's shape as `eaglepipe plan` reads it from conf/target/NAME.yaml, and the target's vocab size."""
     t = OmegaConf.load(ROOT / "conf" / "target" / f"{target}.yaml")
-    return memory.DraftShape(tokens=tokens, ttt_steps=ttt, hidden=t.hidden_size, intermediate=t.intermediate_size,
-                             heads=t.num_attention_heads, kv_heads=t.num_key_value_heads, head_dim=t.head_dim,
-                             draft_vocab=min(draft_vocab, t.vocab_size)), int(t.vocab_size)
+    cfg = OmegaConf.create({"target": t, "train": {"tokens_per_pack": tokens, "ttt_steps": ttt, "draft_arch": "llama"},
+                            "vocab": {"draft_vocab_size": draft_vocab}})
+    return plan.shape_of(cfg), int(t.vocab_size)
 
 
 def one(s: memory.DraftShape, vocab: int, steps: int, warmup: int, chunk, device, attn: str = "sdpa") -> dict:
