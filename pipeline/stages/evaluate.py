@@ -1,6 +1,6 @@
 """Stage `evaluate`: how many tokens the exported draft gets accepted, per prompt set (`eval.sets`): the prompts
 train held out (`heldout`, written to eval/), and standard sets from PyPI wheels (mt_bench, humaneval:
-pipeline/data/prompt_sets.py; each written to eval/<set>/, with one table over the sets in eval/sets.json).
+pipeline/data/prompt_sets.py; each written to eval/<set>/, with one table over the sets in eval/sets.json, online eval/sets_online.json).
 
 Two benches, one entry shape (`measure(cfg, store, prompts, out)`):
 - offline (default, no server): pipeline/acceptance/offline.py, greedy chain speculative decoding with the local
@@ -145,7 +145,7 @@ def set_prompts(cfg, store, name: str, n: int, prompt_tokens: int, bench=None) -
 
 def _sets_table(cfg) -> None:
     """eval/sets.json and a log table, one row per prompt set: offline, tau of the trained draft per draft length;
-    online (eval.endpoint), the server's accept length and, with a baseline server, the speedup (SpecBundle's
+    online (eval.endpoint, eval/sets_online.json: the offline table stays), the server's accept length and, with a baseline server, the speedup (SpecBundle's
     shape: one accept length per benchmark at the server's own steps / topk / draft tokens)."""
     rows = {}
     if cfg.eval.endpoint:
@@ -168,7 +168,8 @@ def _sets_table(cfg) -> None:
         lines += [f"{name:<16}{r['prompts']:>8}" + "".join(f"{r['tau'][k]:>8.3f}" for k in ks) for name, r in rows.items()]
         log.info("evaluate, tau of the trained draft per prompt set:\n%s", "\n".join(lines))
     out_dir(cfg).mkdir(parents=True, exist_ok=True)
-    (out_dir(cfg) / "sets.json").write_text(json.dumps(rows, indent=1))
+    name = "sets_online.json" if cfg.eval.endpoint else "sets.json"
+    (out_dir(cfg) / name).write_text(json.dumps(rows, indent=1))
 
 
 def heldout_prompts(cfg, store, n: int, prompt_tokens: int) -> list[list[int]]:

@@ -13,7 +13,8 @@
 #   ~156 steps and eval_tau_every_steps=78 probes every half epoch).
 #   Next: VARIANT_A="train.epochs=6 train.eval_tau_every_steps=78" (TTT 3, 6 epochs, the same 80 prompts)
 #         VARIANT_B="train.ttt_steps=7 train.epochs=6 train.lr=1e-3 train.eval_tau_every_steps=78 train.select=tau"
-# scripts/bench/online_fp8_recipe_report.py gathers every run dir into one JSON.
+# `start-recipe` instead runs the second plan (its comment below): #16's fp8-vs-bf16 drafts and #17's recipe levers,
+# then the best export served by SGLang. scripts/bench/online_fp8_recipe_report.py gathers every run dir into one JSON.
 set -u
 G=${PLAN_DIR:-/tmp/g}; L=$G/logs; mkdir -p $L
 A=${PLAN_ARGS:-"+experiment=gpu_smollm2 target.path=/tmp/model/smol.gguf cache_dir=/tmp/epcache prepare.gen_batch_size=512 \
@@ -48,6 +49,44 @@ case "$1" in
     wait
     python3 scripts/bench/online_fp8_recipe_report.py $G $G/online_fp8_recipe_h200.json "bash scripts/bench/online_fp8_recipe.sh start ($A)"
     echo "=== done $(date +%T)"; touch $G/done;;
+  recipe)
+    # Second plan (2026-12-02b): #16's last item (drafts trained from the bf16 and the fp8 store, TTT 3, 3 epochs,
+    # heldout tau k = 1..5) and #17's recipe levers, one at a time against the measured TTT 7 / 6 epochs / select=tau
+    # run (1.988): lr 1e-3; SpecForge's TTT loss weights 0.8^i; 4,096-token packs (2x the optimizer steps); half the
+    # data (data.limit=1000, its own regeneration: the data-amount slope; its heldout prompts differ, compare it on
+    # MT-bench / HumanEval). Then the best heldout tau(k=3) export served by SGLang (needs .gpu-sgl/install.sh):
+    # accept length per prompt set beside a no-speculation server (eval/sets_online.json).
+    E6="train.ttt_steps=7 train.epochs=6 train.select=tau eval.sets=[heldout,mt_bench,humaneval]"
+    V[bf16]="eval.sets=[heldout]"; V[fp8]="extract.store_dtype=fp8_e4m3 eval.sets=[heldout]"
+    V[lr1e3]="$E6 train.lr=1e-3 train.eval_tau_every_steps=78"
+    V[decay08]="$E6 train.ttt_step_loss_decay=0.8 train.eval_tau_every_steps=78"
+    V[pack4k]="$E6 train.tokens_per_pack=4096 train.eval_tau_every_steps=156"
+    V[half]="$E6 data.limit=1000 train.eval_tau_every_steps=39"
+    A="$A train.num_workers=2"
+    st bf16 prepare && st bf16 extract && st bf16 vocab || { touch $G/done; exit 1; }
+    (st half prepare && st half extract && st half vocab && st half train && st half export && st half evaluate) &
+    for v in fp8 lr1e3 decay08 pack4k; do clone bf16 $v; done
+    for v in lr1e3 decay08 pack4k; do cp -r $G/bf16/features $G/$v/; done
+    for v in bf16 lr1e3 decay08 pack4k; do (st $v train && st $v export && st $v evaluate) & done
+    (st fp8 extract && st fp8 vocab && st fp8 train && st fp8 export && st fp8 evaluate) &
+    wait
+    BENCH_NAME=acceptance_recipe python3 scripts/bench/online_fp8_recipe_report.py $G $G/online_fp8_recipe_h200.json \
+      "bash scripts/bench/online_fp8_recipe.sh start-recipe ($A)" > /dev/null
+    best=$(python3 -c "import json, pathlib as p
+r = {d.name: json.loads((d / 'eval/acceptance.json').read_text())['trained']['3']['tau'] for d in p.Path('$G').iterdir()
+     if d.name != 'half' and (d / 'eval/acceptance.json').is_file()}
+print(max(r, key=r.get))")
+    echo "=== sglang: serving $best $(date +%T)"
+    if [ -f /tmp/sgl-site/.done ]; then
+      python3 scripts/bench/sglang_serving.py --run-dir $G/$best --work $G/sgl --budget 420 --case-s 60 --no-engine-check \
+        --overrides "$A ${V[$best]} eval.sets=[heldout,mt_bench,mt_bench_turn2,humaneval] train.wandb.mode=disabled \
+        export.serve.sglang_args=[--attention-backend,triton]" --eval-conc 16 baseline good stop-baseline 2>&1 | tail -3
+    else echo "no SGLang bundle in /tmp/sgl-site: not served"; fi
+    BENCH_NAME=acceptance_recipe python3 scripts/bench/online_fp8_recipe_report.py $G $G/online_fp8_recipe_h200.json \
+      "bash scripts/bench/online_fp8_recipe.sh start-recipe ($A)"
+    echo "=== done $(date +%T)"; touch $G/done;;
+  start-recipe)
+    rm -f $G/done; setsid bash "$0" recipe > $G/plan.log 2>&1 < /dev/null & echo "plan pgid $!";;
   start)
     rm -f $G/done; setsid bash "$0" plan > $G/plan.log 2>&1 < /dev/null & echo "plan pgid $!";;
   report)
@@ -59,6 +98,6 @@ case "$1" in
       [ -f $G/done ] || bash "$0" report > /dev/null 2>&1
       cp $G/online_fp8_recipe_h200.json $OUT/; for v in prof_bf16 prof_fp8; do cp $G/$v/train_profile.txt $OUT/$v.txt; done 2>/dev/null
       tar czf $OUT/runs.tgz -C $G logs $(cd $G && ls -d */train/metrics.jsonl */stages.json */eval/*.json */eval/*/*.json \
-        */train/final/train_summary.json 2>/dev/null) 2>/dev/null
+        */train/final/train_summary.json sgl/*.json sgl/*evaluate*.log 2>/dev/null) 2>/dev/null
     fi; true;;
 esac

@@ -57,6 +57,9 @@ def _eval(run: Path) -> dict:
     sets = _json(run / "eval" / "sets.json")
     if sets:
         out["sets"] = sets
+    online = _json(run / "eval" / "sets_online.json")  # the export served by SGLang (eval.endpoint)
+    if online:
+        out["sets_online"] = online
     a = _json(run / "eval" / "acceptance.json")
     if a:
         out["heldout"] = {"prompts": a["prompts"], "max_new_tokens": a["max_new_tokens"],
@@ -80,9 +83,10 @@ def main(plan: Path, out: Path, command: str) -> None:
         tv = torch.__version__
     except ImportError:
         dev = tv = None
-    res = {"bench": "online_fp8_recipe", "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+    res = {"bench": os.environ.get("BENCH_NAME", "online_fp8_recipe"),
+           "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
            "host": socket.gethostname(), "device": dev, "torch": tv, "cpus": os.cpu_count(), "command": command,
-           "runs": runs, "train_profiles": prof}
+           "runs": runs, "train_profiles": prof, "sglang": _json(plan / "sgl" / "sglang_serving.json")}
     out.write_text(json.dumps(res, indent=1))
     for name, r in runs.items():
         t, e = r["train"], r["eval"]

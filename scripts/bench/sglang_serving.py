@@ -375,6 +375,10 @@ def main() -> None:
                     if online.exists():
                         r["online"] = json.loads(online.read_text())
                         shutil.copy(online, work / f"online_c{conc}{a.tag}.json")
+                    sets = run_dir / "eval" / "sets_online.json"  # with eval.sets: the table over the prompt sets
+                    if sets.exists():
+                        r["sets_online"] = json.loads(sets.read_text())
+                        shutil.copy(sets, work / f"online_sets_c{conc}{a.tag}.json")
                     ev.append(r)
                 rec["evaluate_online"] = ev
         rec["log_lines"] = log_lines(log)

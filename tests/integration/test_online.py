@@ -141,15 +141,20 @@ def test_a_dead_baseline_keeps_the_speculative_half(exported_run, make_cfg, serv
 
 
 def test_online_accept_length_per_prompt_set_in_one_table(exported_run, make_cfg, serve):
-    """eval.endpoint with eval.sets: one online.json per set and one table (eval/sets.json) of the server's accept
-    length and speedup per set; mt_bench_turn2's first answers come from the server itself."""
+    """eval.endpoint with eval.sets: one online.json per set and one table (eval/sets_online.json) of the server's
+    accept length and speedup per set, the offline table (eval/sets.json) left as it was; mt_bench_turn2's first
+    answers come from the server itself."""
     run_dir, _ = exported_run
+    offline_table = run_dir / "eval" / "sets.json"
+    offline_table.parent.mkdir(parents=True, exist_ok=True)
+    offline_table.write_text('{"heldout": {"prompts": 2, "tau": {"1": 1.5}}}')
     url, base = serve(SGLangLikeTestServer), serve(vllm_like(speculates=False))
     run_stages(make_cfg("+experiment=tiny", "data.limit=16", "stage=evaluate", "eval.max_new_tokens=10",
                         "eval.num_prompts=2", "eval.sets=[heldout,mt_bench,mt_bench_turn2,humaneval]",
                         f"eval.endpoint={url}", f"eval.baseline_endpoint={base}", run_dir=run_dir))
-    table = json.loads((run_dir / "eval" / "sets.json").read_text())
+    table = json.loads((run_dir / "eval" / "sets_online.json").read_text())
     assert list(table) == ["heldout", "mt_bench", "mt_bench_turn2", "humaneval"]
+    assert json.loads(offline_table.read_text()) == {"heldout": {"prompts": 2, "tau": {"1": 1.5}}}
     for name, row in table.items():
         per_set = json.loads((run_dir / "eval" / ("" if name == "heldout" else name) / "online.json").read_text())
         assert row["prompts"] == 2 and row["accept_length"] == pytest.approx(2.5), name
