@@ -125,9 +125,13 @@ class ExtractConfig:
     # padded tokens per forward (length-bucketed); larger = faster on GPU, more memory; CPU wants ~4096
     batch_tokens: int = 16384
     max_batch_size: int = 64
-    # A shard closes when the next sample would exceed this: the host buffer per shard (x2 while the previous
-    # one compresses), 1.5 GB for SmolLM2, 15 GB for Kimi-K2.5.
+    # A shard closes when the next sample would exceed this: the host buffer per shard (x (1 + write_workers)
+    # while earlier ones compress), 1.5 GB for SmolLM2, 15 GB for Kimi-K2.5.
     shard_tokens: int = 262144
+    # shards compressed and written at once, in threads beside the capture (Blosc and crc32c release the GIL),
+    # each holding its shard's host buffer. Raise it where compression, not the GPU, binds (scripts/bench/
+    # extract_throughput.py measures both). Not in extract's fingerprint: the bytes written are the same
+    write_workers: int = 1
     chunk_tokens: int = 2048  # zarr chunk length along tokens
     # bitshuffled lz4: on SmolLM2's bf16 states (H200) 1.5% smaller AND 10% faster end to end than zstd level 3
     # (docs/feature_store.md "Compressor"); `none` for the fastest writes (+21% bytes). Not in extract's fingerprint.

@@ -27,6 +27,7 @@ import fcntl
 import json
 import os
 import shutil
+import threading
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -221,6 +222,9 @@ class ShardSpec:
         return self.sample_start + len(self.lengths)
 
 
+_CALLER_COPY = threading.Lock()
+
+
 class ShardWriter:
     """Writes one shard under a temporary name; `commit()` renames it and enters it in the manifest.
 
@@ -297,8 +301,10 @@ class ShardWriter:
         os.replace(self.tmp, self.final)
         on_disk = add_shard(self.root, {"name": self.final.name, "sample_start": self.spec.sample_start,
                                         "sample_end": self.spec.sample_end, "num_tokens": int(self.offsets[-1])})
-        manifest.clear()
-        manifest.update(on_disk)  # the caller's copy: what is on disk, other processes' shards included
+        with _CALLER_COPY:  # several shards may commit at once (extract.write_workers): keep the newest
+            if len(on_disk["shards"]) >= len(manifest.get("shards", [])):
+                manifest.clear()
+                manifest.update(on_disk)  # the caller's copy: what is on disk, other processes' shards included
         self.buffers.clear()
 
 

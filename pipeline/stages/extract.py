@@ -16,10 +16,10 @@ import json
 import logging
 import os
 import time
+from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import timedelta
 from pathlib import Path
-from typing import Optional
 
 import numpy as np
 import torch
@@ -56,7 +56,7 @@ def check(cfg) -> None:
                             "CUDA GPU) in this Python; README, 'SGLang capture backend', has the GPU-box commands") from None
         if problem := sc.version_problem(sglang.__version__):
             raise UserError(problem)
-    for key in ("batch_tokens", "shard_tokens", "chunk_tokens", "max_batch_size"):
+    for key in ("batch_tokens", "shard_tokens", "chunk_tokens", "max_batch_size", "write_workers"):
         if cfg.extract[key] < 1:
             raise UserError(f"extract.{key}={cfg.extract[key]}: must be >= 1")
 
@@ -66,7 +66,8 @@ def fingerprint(cfg) -> str:
     prepared = stats_path.read_text() if stats_path.exists() else None
     # the SGLang knobs shape nothing under backend=hf (and leaving them out keeps hf stores made before they
     # existed up to date); SGLang's memory fraction never shapes the states
-    leave_out = {"overwrite", "repair", "device", "max_batch_size", "chunk_tokens", "compressor", "clevel", "sglang_mem_fraction"}
+    leave_out = {"overwrite", "repair", "device", "max_batch_size", "chunk_tokens", "compressor", "clevel", "sglang_mem_fraction",
+                 "write_workers"}
     if backend(cfg) != "sglang":
         leave_out.add("sglang_attention_backend")
     shaping = {k: v for k, v in OmegaConf.to_container(cfg.extract, resolve=True, enum_to_str=True).items()
@@ -275,8 +276,9 @@ def _extract_shards(cfg, ds, todo, capture, facts, manifest, device, hidden: int
     fp8 = features.fp8(cfg)
     t0, tokens_done = time.time(), 0
     bar = tqdm(total=int(sum(sum(s.lengths) for s in todo)), desc="extract", unit="tok", mininterval=1.0)
-    commit: Optional[Future] = None
-    with ThreadPoolExecutor(max_workers=1) as writer_pool:  # compressing shard k overlaps computing k+1
+    commits: deque[Future] = deque()
+    # compressing shards k-w+1..k overlaps computing k+1 (w = extract.write_workers)
+    with ThreadPoolExecutor(max_workers=ex.write_workers, thread_name_prefix="extract-write") as writer_pool:
         for spec in todo:
             writer = fs.ShardWriter(out_dir(cfg), spec, facts, (n_aux * hidden, hidden), ex.chunk_tokens,
                                     str(getattr(ex.compressor, "value", ex.compressor)), ex.clevel)
@@ -300,14 +302,14 @@ def _extract_shards(cfg, ds, todo, capture, facts, manifest, device, hidden: int
                 bar.update(int(sum(ns)))
             if pending is not None:
                 _scatter(writer, ids_all, mask_all, *pending)
-            if commit is not None:
-                commit.result()  # at most one shard compressing while the next one computes
+            while len(commits) >= ex.write_workers:
+                commits.popleft().result()  # at most write_workers shards compressing while the next one computes
             if write:
-                commit = writer_pool.submit(writer.commit, manifest)
+                commits.append(writer_pool.submit(writer.commit, manifest))
             tokens_done += sum(spec.lengths)
             bar.set_postfix(shard=spec.index, tok_s=f"{tokens_done / (time.time() - t0):.0f}")
-        if commit is not None:
-            commit.result()
+        while commits:
+            commits.popleft().result()
     bar.close()
     log.info("extract: %d tokens written in %.1f s (%.0f tokens/s)", tokens_done, time.time() - t0,
              tokens_done / max(time.time() - t0, 1e-9))

@@ -3,7 +3,8 @@
 Same prepared samples, same length-bucketed batches, same model and dtype, three measurements:
   prefill   - the decoder forward alone (no hooks, nothing copied back)
   capture   - forward + hooks + bf16 cast + copy to host (what extract does before writing)
-  extract   - the real stage end to end, writing the zarr store (per compressor)
+  extract   - the real stage end to end, writing the zarr store (per compressor; the default compressor with
+              extract.write_workers 2 and 4: shards compressing at once)
 Usage (GPU):  python scripts/bench/extract_throughput.py cache_dir=/tmp/epcache run_dir=/tmp/bench data.limit=null
 Prints a table last and writes bench_extract.json to $OUT (or the run dir).
 """
@@ -107,14 +108,18 @@ def main(overrides):
 
     load_model, shards = targets.load_model, extract._extract_shards
     targets.load_model, extract._extract_shards = timing("load_model", load_model), timing("shard_loop", shards)
-    for comp in ("none", "blosc_lz4", "blosc_zstd"):
-        cfg.extract.compressor = comp
+    # each compressor with one writer; then the default with 2 and 4 shards compressing at once (write_workers)
+    runs = [(c, 1) for c in ("none", "blosc_lz4", "blosc_zstd")] + [("blosc_lz4", 2), ("blosc_lz4", 4)]
+    for comp, workers in runs:
+        cfg.extract.compressor, cfg.extract.write_workers = comp, workers
+        key = comp if workers == 1 else f"{comp}_w{workers}"
         shutil.rmtree(Path(cfg.run_dir) / "features", ignore_errors=True)
         phases.clear()
-        results[f"extract_{comp}_s"] = timed(lambda: extract.run(cfg), device)
-        results[f"extract_{comp}_phases_s"] = dict(phases)
+        results[f"extract_{key}_s"] = timed(lambda: extract.run(cfg), device)
+        results[f"extract_{key}_phases_s"] = dict(phases)
         size = sum(f.stat().st_size for f in (Path(cfg.run_dir) / "features").rglob("*") if f.is_file())
-        results[f"store_{comp}_bytes"] = size
+        results[f"store_{key}_bytes"] = size
+    cfg.extract.write_workers = 1
     targets.load_model, extract._extract_shards = load_model, shards
     out = Path(os.environ.get("OUT", cfg.run_dir)) / "bench_extract.json"
     out.write_text(json.dumps(results, indent=1))
@@ -122,11 +127,12 @@ def main(overrides):
     print(f"\n{results['device']} {results['dtype']} | {n} tokens, {results['samples']} samples, "
           f"{results['batches']} batches (padding {results['padded_tokens'] / n - 1:.1%})")
     print(f"{'what':<22}{'seconds':>10}{'tokens/s':>14}{'store MB':>10}")
-    for key in ("prefill", "capture_naive", "capture", "extract_none", "extract_blosc_lz4", "extract_blosc_zstd"):
+    keys = ("none", "blosc_lz4", "blosc_zstd", "blosc_lz4_w2", "blosc_lz4_w4")
+    for key in ("prefill", "capture_naive", "capture", *(f"extract_{k}" for k in keys)):
         size = results.get(f"store_{key.removeprefix('extract_')}_bytes")
         print(f"{key:<22}{results[key + '_s']:>10.2f}{n / results[key + '_s']:>14,.0f}"
               f"{'' if size is None else f'{size / 1e6:>10.0f}'}")
-    for comp in ("none", "blosc_lz4", "blosc_zstd"):
+    for comp in keys:
         print(f"extract_{comp} phases (s): " + ", ".join(f"{k} {v:.2f}" for k, v in results[f"extract_{comp}_phases_s"].items()))
 
 

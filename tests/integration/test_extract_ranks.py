@@ -25,10 +25,10 @@ ARGS = ["target=tiny", "data.limit=48", "extract.shard_tokens=2500", "extract.ba
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
-def _cmd(run_dir: Path, cache_dir: str, ranks: int) -> list[str]:
+def _cmd(run_dir: Path, cache_dir: str, ranks: int, *extra: str) -> list[str]:
     head = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}"] if ranks > 1 \
         else [sys.executable]
-    return head + ["-m", "pipeline", "stage=extract", *ARGS, f"run_dir={run_dir}", f"cache_dir={cache_dir}"]
+    return head + ["-m", "pipeline", "stage=extract", *ARGS, *extra, f"run_dir={run_dir}", f"cache_dir={cache_dir}"]
 
 
 def _files(features: Path) -> dict:
@@ -74,6 +74,19 @@ def test_two_rank_capture_writes_the_store_one_process_writes(make_cfg, one_proc
     assert f"rank 0 of 2: {(n + 1) // 2} shard(s)" in log and f"rank 1 of 2: {n // 2} shard(s)" in log, log[-3000:]
     assert _files(two / "features") == _files(one / "features")
     assert json.loads((two / "stages.json").read_text())["extract"]["fingerprint"] == \
+        json.loads((one / "stages.json").read_text())["extract"]["fingerprint"]
+
+
+def test_shards_written_by_several_workers_at_once_equal_one_writers(make_cfg, one_process_store, cache_dir):
+    """extract.write_workers=3: up to 3 shards compress and commit in threads at once (issue #14); the store, its
+    manifest and the stage's fingerprint are byte for byte those of one writer."""
+    root, one = one_process_store
+    three = _prepared_copy(make_cfg, root, "three_writers")
+    r = subprocess.run(_cmd(three, cache_dir, 1, "extract.write_workers=3"), cwd=ROOT, env=ENV, capture_output=True,
+                       text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert _files(three / "features") == _files(one / "features")
+    assert json.loads((three / "stages.json").read_text())["extract"]["fingerprint"] == \
         json.loads((one / "stages.json").read_text())["extract"]["fingerprint"]
 
 
