@@ -21,6 +21,7 @@ import torch
 
 from pipeline.formats.feature_store import ChunkError, FeatureStore
 
+PAD_FILL = {"document_ids": -1}  # a padded position's values: its own document, everything else 0
 STORE_ERROR = "store_error"  # a pack that could not be read: {STORE_ERROR: the ChunkError's message}
 
 
@@ -110,8 +111,11 @@ def collate(store: FeatureStore, pack: list, tokens_per_pack: int, pad: bool = F
         parts["loss_mask"].append(mask)
         parts["position_ids"].append(torch.arange(a + 1, b + 1))
         parts["document_ids"].append(torch.full((n,), doc, dtype=torch.long))
-    batch = {k: torch.cat(v)[None] for k, v in parts.items()}
-    return pad_batch(batch, tokens_per_pack) if pad else batch
+    extra = tokens_per_pack - sum(len(x) for x in parts["input_ids"]) if pad else 0
+    if extra > 0:  # the padding joins the one concatenation (pad_batch's values, without a second copy)
+        for k, v in parts.items():
+            v.append(v[0].new_full((extra, *v[0].shape[1:]), PAD_FILL.get(k, 0)))
+    return {k: torch.cat(v)[None] for k, v in parts.items()}
 
 
 def pad_batch(batch: dict[str, torch.Tensor], length: int) -> dict[str, torch.Tensor]:
@@ -120,8 +124,7 @@ def pad_batch(batch: dict[str, torch.Tensor], length: int) -> dict[str, torch.Te
     extra = length - batch["input_ids"].shape[1]
     if extra <= 0:
         return batch
-    fill = {"document_ids": -1}
-    return {k: torch.cat([v, v.new_full((1, extra, *v.shape[2:]), fill.get(k, 0))], dim=1) for k, v in batch.items()}
+    return {k: torch.cat([v, v.new_full((1, extra, *v.shape[2:]), PAD_FILL.get(k, 0))], dim=1) for k, v in batch.items()}
 
 
 class PackDataset(torch.utils.data.Dataset):

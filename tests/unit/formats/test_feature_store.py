@@ -197,6 +197,19 @@ def test_fp8_round_trip_error_is_within_e4m3s_bound_per_token_and_per_element():
     assert float(per_token.max()) > 2 ** -9
 
 
+def test_fp8_decode_is_torchs_float8_cast_times_the_scale_for_every_bit_pattern():
+    """decode_fp8 gathers through a 256-entry table (3.5x faster than torch's cast on CPU); its values are the cast's:
+    every e4m3 bit pattern, against scales from tiny to huge, rounded to bf16 the same way."""
+    bits = np.tile(np.arange(256, dtype=np.uint8), (6, 2))  # 6 tokens x 2 layers x 256 patterns
+    scale = np.array([[1e-30, 1.0], [2 ** -10, 3.7], [0.5, 448.0], [1e3, 1e-3], [7.25, 1e20], [1.0, 1.0]], np.float32)
+    got = fs.decode_fp8(bits, scale)
+    want = (torch.from_numpy(bits).view(torch.float8_e4m3fn).float().reshape(6, 2, 256)
+            * torch.from_numpy(scale).unsqueeze(-1)).reshape(6, -1).bfloat16()
+    nan = torch.isnan(want)
+    assert torch.equal(torch.isnan(got), nan) and int(nan.sum()) == 6 * 2 * 2  # 0x7f and 0xff, e4m3fn's NaNs
+    assert torch.equal(got[~nan].view(torch.int16), want[~nan].view(torch.int16))
+
+
 def test_fp8_encoding_in_chunks_of_tokens_is_bit_identical_to_one_pass():
     """encode_fp8 bounds its fp32 working copy by encoding chunk_rows tokens at a time (the GPU memory of a large
     capture batch); every chunking gives the same bits and scales, including a last chunk that is short."""
