@@ -133,7 +133,7 @@ class ExtractConfig:
     # extract_throughput.py measures both). Not in extract's fingerprint: the bytes written are the same
     write_workers: int = 1
     # zarr chunk length along tokens. A loader reading a ~450-token sample decodes every chunk it touches: 512
-    # reads 1.3x faster per worker than 2048 for +0.05% bytes and 4x the chunk files (docs/feature_store.md,
+    # reads 1.6x faster per worker than 2048 for +0.05% bytes and 4x the chunk files (docs/feature_store.md,
     # "Chunk length"); raise it where the filesystem dislikes many small files. Not in extract's fingerprint
     chunk_tokens: int = 512
     # bitshuffled lz4: on SmolLM2's bf16 states (H200) 1.5% smaller AND 10% faster end to end than zstd level 3

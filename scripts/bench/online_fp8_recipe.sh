@@ -14,7 +14,9 @@
 #   Next: VARIANT_A="train.epochs=6 train.eval_tau_every_steps=78" (TTT 3, 6 epochs, the same 80 prompts)
 #         VARIANT_B="train.ttt_steps=7 train.epochs=6 train.lr=1e-3 train.eval_tau_every_steps=78 train.select=tau"
 # `start-recipe` instead runs the second plan (its comment below): #16's fp8-vs-bf16 drafts and #17's recipe levers,
-# then the best export served by SGLang. scripts/bench/online_fp8_recipe_report.py gathers every run dir into one JSON.
+# then the best export served by SGLang (measured 2026-12-02, but for the SGLang step: device time). `start-recipe2`:
+# the third plan, #17's online table first (SGLang needs .gpu-sgl/install.sh: start the plan after the project
+# bundle, then install the SGLang parts while it prepares), and all of chitchat with the levers combined. scripts/bench/online_fp8_recipe_report.py gathers every run dir into one JSON.
 set -u
 G=${PLAN_DIR:-/tmp/g}; L=$G/logs; mkdir -p $L
 A=${PLAN_ARGS:-"+experiment=gpu_smollm2 target.path=/tmp/model/smol.gguf cache_dir=/tmp/epcache prepare.gen_batch_size=512 \
@@ -56,8 +58,10 @@ case "$1" in
     # data (data.limit=1000, its own regeneration: the data-amount slope; its heldout prompts differ, compare it on
     # MT-bench / HumanEval). Then the best heldout tau(k=3) export served by SGLang (needs .gpu-sgl/install.sh):
     # accept length per prompt set beside a no-speculation server (eval/sets_online.json).
-    E6="train.ttt_steps=7 train.epochs=6 train.select=tau eval.sets=[heldout,mt_bench,humaneval]"
-    V[bf16]="eval.sets=[heldout]"; V[fp8]="extract.store_dtype=fp8_e4m3 eval.sets=[heldout]"
+    # (pinned to the experiment's recipe of that day: it has since become the pack4k one)
+    T3="train.ttt_steps=3 train.epochs=3 train.tokens_per_pack=8192 train.eval_tau_every_steps=null train.select=last"
+    E6="train.ttt_steps=7 train.epochs=6 train.tokens_per_pack=8192 train.select=tau eval.sets=[heldout,mt_bench,humaneval]"
+    V[bf16]="$T3 eval.sets=[heldout]"; V[fp8]="$T3 extract.store_dtype=fp8_e4m3 eval.sets=[heldout]"
     V[lr1e3]="$E6 train.lr=1e-3 train.eval_tau_every_steps=78"
     V[decay08]="$E6 train.ttt_step_loss_decay=0.8 train.eval_tau_every_steps=78"
     V[pack4k]="$E6 train.tokens_per_pack=4096 train.eval_tau_every_steps=156"
@@ -85,6 +89,33 @@ print(max(r, key=r.get))")
     BENCH_NAME=acceptance_recipe python3 scripts/bench/online_fp8_recipe_report.py $G $G/online_fp8_recipe_h200.json \
       "bash scripts/bench/online_fp8_recipe.sh start-recipe ($A)"
     echo "=== done $(date +%T)"; touch $G/done;;
+  recipe2)
+    # Third plan (next session, #17): the online table first, then the data lever. (1) +experiment=gpu_smollm2 as it
+    # now is (the pack4k recipe) on the 2,000 conversations; as soon as its export exists, SGLang serves it beside a
+    # no-speculation server: accept length and speedup per prompt set (eval/sets_online.json), while the offline
+    # evaluate runs. (2) Meanwhile, all 4,017 usable chitchat conversations (data.limit=null, 10,221 turns
+    # regenerated) with the measured levers combined (4K packs, TTT loss weights 0.8^i, lr 1e-3), tau probed every
+    # half epoch, evaluated offline on heldout / MT-bench / HumanEval.
+    S4="eval.sets=[heldout,mt_bench,humaneval]"
+    V[best]="$S4"
+    V[alldata]="$S4 data.limit=null train.ttt_step_loss_decay=0.8 train.lr=1e-3 train.eval_tau_every_steps=156"
+    A="$A train.num_workers=4"
+    (st alldata prepare && st alldata extract && st alldata vocab && st alldata train && st alldata export \
+      && st alldata evaluate) &
+    st best prepare && st best extract && st best vocab && st best train && st best export || { touch $G/done; exit 1; }
+    st best evaluate &
+    echo "=== sglang: serving best $(date +%T)"
+    if [ -f /tmp/sgl-site/.done ]; then
+      python3 scripts/bench/sglang_serving.py --run-dir $G/best --work $G/sgl --budget 480 --case-s 60 --no-engine-check \
+        --overrides "$A ${V[best]} eval.sets=[heldout,mt_bench,mt_bench_turn2,humaneval] train.wandb.mode=disabled \
+        export.serve.sglang_args=[--attention-backend,triton]" --eval-conc 16 baseline good stop-baseline 2>&1 | tail -3
+    else echo "no SGLang bundle in /tmp/sgl-site: not served"; fi
+    wait
+    BENCH_NAME=acceptance_recipe2 python3 scripts/bench/online_fp8_recipe_report.py $G $G/online_fp8_recipe_h200.json \
+      "bash scripts/bench/online_fp8_recipe.sh start-recipe2 ($A)"
+    echo "=== done $(date +%T)"; touch $G/done;;
+  start-recipe2)
+    rm -f $G/done; setsid bash "$0" recipe2 > $G/plan.log 2>&1 < /dev/null & echo "plan pgid $!";;
   start-recipe)
     rm -f $G/done; setsid bash "$0" recipe > $G/plan.log 2>&1 < /dev/null & echo "plan pgid $!";;
   start)
