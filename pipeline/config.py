@@ -52,6 +52,9 @@ class TargetConfig:
     num_key_value_heads: Optional[int] = None
     head_dim: Optional[int] = None
     intermediate_size: Optional[int] = None
+    # Declared total parameter count (every expert of a MoE), for `eaglepipe plan`'s rows of the target's own
+    # weights (train.features=online, train.eval_tau_every_steps); null = a dense estimate from the shape above
+    num_parameters: Optional[int] = None
 
 
 class DataFormat(str, Enum):

@@ -75,10 +75,18 @@ def activation_terms(s: DraftShape, bf16: bool, loss_chunk: int | None = None) -
     return terms
 
 
+def dense_target_params(layers: int, s: DraftShape, vocab: int) -> int:
+    """A dense decoder's parameters from its layer shape (untied embeddings and lm_head, RMSNorm): what a target
+    that declares no `num_parameters` is taken to hold. A MoE target must declare its own (all experts)."""
+    attn = s.hidden * s.heads * s.head_dim * 2 + s.hidden * s.kv_heads * s.head_dim * 2
+    return 2 * vocab * s.hidden + layers * (attn + 3 * s.hidden * s.intermediate + 2 * s.hidden) + s.hidden
+
+
 def estimate(s: DraftShape, p: DraftParams, world_size: int = 1, strategy: str = "ddp", bf16: bool = True,
-             loss_chunk: int | None = None) -> dict:
+             loss_chunk: int | None = None, beside: dict[str, float] | None = None) -> dict:
     """Per-rank bytes by part, and the peak (everything at once: the forward's activations, then the
-    gradients written while they are released, so their sum bounds the backward)."""
+    gradients written while they are released, so their sum bounds the backward). `beside`: what else the
+    training process holds on the GPU for the whole run (the target's weights: online features, the tau probe)."""
     if strategy not in ("ddp", "fsdp"):
         raise ValueError(f"strategy {strategy!r}: ddp or fsdp")
     shard = world_size if strategy == "fsdp" else 1
@@ -99,6 +107,7 @@ def estimate(s: DraftShape, p: DraftParams, world_size: int = 1, strategy: str =
     acts = activation_terms(s, bf16, loss_chunk)
     parts["activations (TTT forward, kept for backward)"] = sum(acts.values())
     parts[LOSS_BACKWARD] = loss_backward_bytes(s, loss_chunk, bf16)
+    parts.update(beside or {})
     # the loss's backward runs first, on top of every activation, before any gradient of a weight exists: the peak
     # holds the larger of the two, not both
     peak = sum(parts.values()) - min(parts[LOSS_BACKWARD], parts["gradients (fp32)"])

@@ -49,11 +49,31 @@ def compute(cfg) -> dict:
     model = draft.build_on_meta(cfg.target, shape.draft_vocab, aux, shape.ttt_steps)
     params = memory.draft_params(model)
     strategy = str(getattr(cfg.train.strategy, "value", cfg.train.strategy))
+    target_params, counted = target_parameters(cfg, shape)
+    beside = {}
+    if str(getattr(cfg.train.features, "value", cfg.train.features)) == "online":
+        beside[ONLINE_TARGET] = 2 * target_params
+    if cfg.train.eval_tau_every_steps and cfg.eval.device != "cpu":
+        beside[PROBE_TARGET] = 4 * target_params
     est = memory.estimate(shape, params, p.world_size, strategy, bf16=p.precision == "bf16",
-                          loss_chunk=cfg.train.loss_chunk_tokens)
+                          loss_chunk=cfg.train.loss_chunk_tokens, beside=beside)
     est.update(target=cfg.target.name, shape=shape.__dict__, params=params.__dict__, aux_layer_ids=aux,
+               target_parameters=target_params, target_parameters_from=counted,
                gpu_memory_gib=p.gpu_memory_gib, fits=est["peak"] <= p.gpu_memory_gib * memory.GIB)
     return est
+
+
+ONLINE_TARGET = "target weights, bf16 (train.features=online: every rank holds one)"
+PROBE_TARGET = "tau probe's target, fp32 (train.eval_tau_every_steps: rank 0, on eval.device)"
+
+
+def target_parameters(cfg, shape: memory.DraftShape) -> tuple[int, str]:
+    """The target's parameter count and where it comes from: declared (target.num_parameters), or a dense estimate
+    from the declared layer shape."""
+    t = cfg.target
+    if t.get("num_parameters"):
+        return int(t.num_parameters), "declared (target.num_parameters)"
+    return memory.dense_target_params(t.num_layers, shape, t.vocab_size), "dense estimate from the layer shape"
 
 
 def run(cfg) -> None:
@@ -74,5 +94,7 @@ def run(cfg) -> None:
     verdict = "fits" if est["fits"] else "does NOT fit"
     print(f"draft: {p['trainable']:,} trainable + {p['frozen']:,} frozen parameters (aux layers "
           f"{est['aux_layer_ids']}); {verdict} in {est['gpu_memory_gib']:g} GiB")
+    if ONLINE_TARGET in est["parts"] or PROBE_TARGET in est["parts"]:
+        print(f"target: {est['target_parameters']:,} parameters ({est['target_parameters_from']})")
     print(f"loss: {'chunked KL, ' + str(cfg.train.loss_chunk_tokens) + ' positions a chunk' if cfg.train.loss_chunk_tokens else 'eager (train.loss_chunk_tokens=null)'}")
     print("json: " + json.dumps({k: est[k] for k in ("target", "world_size", "strategy", "bf16", "peak", "fits")}))

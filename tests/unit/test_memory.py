@@ -56,3 +56,30 @@ def test_plan_refuses_a_target_without_a_declared_layer_shape_in_one_line(make_c
 
     with pytest.raises(UserError, match=r"target tiny-llama declares no num_attention_heads.*conf/target/"):
         plan.compute(make_cfg("target=tiny"))
+
+
+def test_a_dense_targets_parameters_from_its_declared_shape_are_the_published_count(make_cfg):
+    """Llama-3.1-8B declares no num_parameters: the dense estimate from its layer shape is Meta's 8,030,261,248."""
+    from pipeline.tools import plan
+
+    cfg = make_cfg("target=llama3_8b")
+    assert plan.target_parameters(cfg, plan.shape_of(cfg)) == (8_030_261_248, "dense estimate from the layer shape")
+
+
+def test_plan_counts_the_targets_weights_that_online_features_and_the_tau_probe_hold(make_cfg):
+    """train.features=online: every rank holds the bf16 target; train.eval_tau_every_steps: rank 0 holds it in fp32
+    (eval.device). Kimi-K2.5's 1.04T parameters make both impossible on one H200, and plan says so."""
+    from pipeline.tools import plan
+
+    base = ["target=llama3_8b", "train.tokens_per_pack=8192", "train.ttt_steps=7"]
+    off = plan.compute(make_cfg(*base))
+    online = plan.compute(make_cfg(*base, "train.features=online"))
+    probe = plan.compute(make_cfg(*base, "train.eval_tau_every_steps=100"))
+    probe_cpu = plan.compute(make_cfg(*base, "train.eval_tau_every_steps=100", "eval.device=cpu"))
+    n = 8_030_261_248
+    assert online["parts"][plan.ONLINE_TARGET] == 2 * n and online["peak"] == off["peak"] + 2 * n
+    assert probe["parts"][plan.PROBE_TARGET] == 4 * n and probe["peak"] == off["peak"] + 4 * n
+    assert plan.PROBE_TARGET not in probe_cpu["parts"] and probe_cpu["peak"] == off["peak"]
+    kimi = plan.compute(make_cfg("target=kimi_k25", "train.tokens_per_pack=8192", "plan.world_size=8",
+                                 "train.strategy=fsdp", "train.features=online"))
+    assert kimi["target_parameters"] == 1_040_000_000_000 and not kimi["fits"]
