@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -199,29 +200,69 @@ def speculate(model, capture: Capture, dr: ExportedDraft, prompt: list[int], max
     return generated[:max_new], rounds
 
 
+_HELD: dict = {}  # inside one_target(): {"key": what was loaded, "target": the tuple _target returns}
+
+
+@contextmanager
+def one_target():
+    """Inside it, every _target call returns one loaded target (evaluate: its prompt sets and mt_bench_turn2's
+    first answers share one load of the fp32 target, not one each); on exit its hooks go and its memory is freed."""
+    _HELD.clear()
+    _HELD["on"] = True
+    try:
+        yield
+    finally:
+        held = _HELD.pop("target", None)
+        _HELD.clear()
+        if held is not None:
+            _free(held)
+
+
+def _free(target) -> None:
+    """The hooks hold the model: without removing them its fp32 copy outlives the caller."""
+    device, capture = target[2], target[4]
+    capture.remove()
+    del target, capture
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
 def _target(cfg, store):
     """(folder, tokenizer, device, model, capture hooks): the target in fp32 on eval.device (fp32: greedy
-    equality is exact, not bf16-noisy)."""
+    equality is exact, not bf16-noisy). Inside one_target(), the one already loaded."""
     folder = Path(store.facts["target_path"])
     device, _ = targets.pick_device_dtype(cfg.eval.device, "fp32")
+    key = (str(folder), str(device), tuple(store.aux_layer_ids))
+    if _HELD.get("key") == key:
+        return _HELD["target"]
     model = targets.load_model(folder, cfg.target, device, torch.float32, "sdpa")
-    return folder, targets.load_tokenizer(folder, cfg.target), device, model, Capture(model, store.aux_layer_ids)
+    target = folder, targets.load_tokenizer(folder, cfg.target), device, model, Capture(model, store.aux_layer_ids)
+    if _HELD.get("on"):
+        if "target" in _HELD:  # another target in the same evaluate run: the first one goes
+            _free(_HELD.pop("target"))
+        _HELD.update(key=key, target=target)
+    return target
+
+
+def _done(target) -> None:
+    """After a use: freed now, unless one_target() holds it for the next."""
+    if _HELD.get("target") is not target:
+        _free(target)
 
 
 def greedy_answers(cfg, store, prompts: list[list[int]], max_new: int) -> list[str]:
     """The target's own greedy answer to each prompt (fp32 on eval.device, eval.batch_size prompts at a time), at most
     max_new tokens, decoded: what evaluate puts before a second turn (mt_bench_turn2)."""
-    _, tok, device, model, capture = _target(cfg, store)
+    target = _target(cfg, store)
+    _, tok, _, model, capture = target
     size = max(cfg.eval.batch_size, 1)
     try:
         with torch.no_grad():
             ids = [g for i in range(0, len(prompts), size)
                    for g in batched.greedy(model, capture, prompts[i: i + size], max_new, tok.eos_token_id)]
-    finally:  # the hooks hold the model: without this its fp32 copy outlives the call (measure loads another)
-        capture.remove()
+    finally:
         del model, capture
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+        _done(target)
     return [tok.decode(g, skip_special_tokens=True).strip() for g in ids]
 
 
@@ -229,7 +270,8 @@ def measure(cfg, store, prompts: list[list[int]], out: Path) -> Path:
     """tau of the exported draft (and of an untrained one) over the prompts; out/acceptance.json + tau.png."""
     e = cfg.eval
     export = RunDir.of(cfg).export("sglang")  # its presence is the stage's precondition (evaluate.run)
-    folder, tok, device, model, capture = _target(cfg, store)
+    target = _target(cfg, store)
+    folder, tok, device, model, capture = target
     config = json.loads((export / "config.json").read_text())
     embed = model.get_input_embeddings().weight.detach()
     trained = ExportedDraft(load_file(str(export / "model.safetensors")), config, embed, device)
@@ -262,7 +304,8 @@ def measure(cfg, store, prompts: list[list[int]], out: Path) -> Path:
                                     "target_forwards": len(pooled_rounds), "greedy_mismatches": mismatches}
             log.info("eval %s draft k=%d: tau %.3f, acceptance per position %s, greedy mismatches %d", name, k,
                      report[name][str(k)]["tau"], [round(x, 3) for x in accept], mismatches)
-    capture.remove()
+    del model, capture
+    _done(target)
     ks = report["draft_lengths"]
     lines = ["tau (tokens per target forward)  " + "".join(f"{'k=' + str(k):>8}" for k in ks)]
     for name, label in (("trained", "trained draft"), ("untrained", "untrained draft (floor)")):

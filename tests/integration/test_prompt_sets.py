@@ -20,14 +20,25 @@ def test_the_sets_are_the_real_files():
     assert len(he) == 164 and he[0]["id"] == "HumanEval/0" and "def has_close_elements" in he[0]["text"]
 
 
-def test_evaluate_writes_a_tau_table_per_set(exported_run, make_cfg, tmp_path):
+def test_evaluate_writes_a_tau_table_per_set_from_one_load_of_the_target(exported_run, make_cfg, tmp_path, monkeypatch):
+    """Every set, and mt_bench_turn2's first answers, run on one load of the fp32 target (an 8B target is 32 GB to
+    load), released at the end of the stage."""
+    from pipeline.acceptance import offline
+    from pipeline.models import targets
+
+    loads = []
+    real_load = targets.load_model
+    monkeypatch.setattr(targets, "load_model", lambda *a, **k: loads.append(a[0]) or real_load(*a, **k))
     run_dir = tmp_path / "run"
     shutil.copytree(exported_run[0], run_dir)
-    cfg = make_cfg("+experiment=tiny", "data.limit=16", "stage=evaluate", "eval.sets=[heldout,mt_bench,humaneval]",
-                   "eval.num_prompts=2", "eval.max_draft=2", "eval.max_new_tokens=8", run_dir=run_dir)
+    sets = ["heldout", "mt_bench", "mt_bench_turn2", "humaneval"]
+    cfg = make_cfg("+experiment=tiny", "data.limit=16", "stage=evaluate", f"eval.sets=[{','.join(sets)}]",
+                   "eval.num_prompts=2", "eval.max_draft=2", "eval.max_new_tokens=8", "eval.first_answer_tokens=6",
+                   run_dir=run_dir)
     run_stages(cfg)
+    assert len(loads) == 1 and offline._HELD == {}
     table = json.loads((run_dir / "eval" / "sets.json").read_text())
-    assert list(table) == ["heldout", "mt_bench", "humaneval"]
+    assert list(table) == sets
     for name, row in table.items():
         assert row["prompts"] == 2 and set(row["tau"]) == {"1", "2"} and all(t >= 1.0 for t in row["tau"].values())
         where = run_dir / "eval" / ("" if name == "heldout" else name) / "acceptance.json"
