@@ -131,9 +131,9 @@ class ExtractConfig:
     # A shard closes when the next sample would exceed this: the host buffer per shard (x (1 + write_workers)
     # while earlier ones compress), 1.5 GB for SmolLM2, 15 GB for Kimi-K2.5.
     shard_tokens: int = 262144
-    # shards compressed and written at once, in threads beside the capture (Blosc and crc32c release the GIL),
-    # each holding its shard's host buffer. Raise it where compression, not the GPU, binds (scripts/bench/
-    # extract_throughput.py measures both). Not in extract's fingerprint: the bytes written are the same
+    # shards committed at once, in threads beside the capture, each holding its shard's host buffer
+    # (docs/feature_store.md, writing protocol 5). Raise it where the writer, not the capture, binds
+    # (scripts/bench/extract_throughput.py measures both). Not in extract's fingerprint: the bytes are the same
     write_workers: int = 1
     # zarr chunk length along tokens. A loader reading a ~450-token sample decodes every chunk it touches: 512
     # reads 1.6x faster per worker than 2048 for +0.05% bytes and 4x the chunk files (docs/feature_store.md,

@@ -206,8 +206,10 @@ _HELD: dict = {}  # inside one_target(): {"key": what was loaded, "target": the 
 @contextmanager
 def one_target():
     """Inside it, every _target call returns one loaded target (evaluate: its prompt sets and mt_bench_turn2's
-    first answers share one load of the fp32 target, not one each); on exit its hooks go and its memory is freed."""
-    _HELD.clear()
+    first answers share one load of the fp32 target, not one each); on exit its hooks go and, once the callers'
+    references are gone, its memory goes back to the device. Not nestable (evaluate.run holds the one)."""
+    if _HELD.get("on"):
+        raise RuntimeError("offline.one_target() is already held")
     _HELD["on"] = True
     try:
         yield
@@ -215,16 +217,16 @@ def one_target():
         held = _HELD.pop("target", None)
         _HELD.clear()
         if held is not None:
+            device = held[2]
             _free(held)
+            del held
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
 
 
 def _free(target) -> None:
-    """The hooks hold the model: without removing them its fp32 copy outlives the caller."""
-    device, capture = target[2], target[4]
-    capture.remove()
-    del target, capture
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
+    """The hooks hold the model: without removing them its fp32 copy outlives every caller's reference."""
+    target[4].remove()
 
 
 def _target(cfg, store):

@@ -118,15 +118,6 @@ def collate(store: FeatureStore, pack: list, tokens_per_pack: int, pad: bool = F
     return {k: torch.cat(v)[None] for k, v in parts.items()}
 
 
-def pad_batch(batch: dict[str, torch.Tensor], length: int) -> dict[str, torch.Tensor]:
-    """A [1, n] micro-batch padded on the right to [1, length]: positions that attend only to themselves
-    (document id -1) and are never scored (loss mask 0)."""
-    extra = length - batch["input_ids"].shape[1]
-    if extra <= 0:
-        return batch
-    return {k: torch.cat([v, v.new_full((1, extra, *v.shape[2:]), PAD_FILL.get(k, 0))], dim=1) for k, v in batch.items()}
-
-
 class PackDataset(torch.utils.data.Dataset):
     """Map-style over a fixed list of packs; opens the store lazily (once per DataLoader worker)."""
 

@@ -158,12 +158,15 @@ def write_manifest(root: Path, manifest: dict) -> None:
     os.replace(tmp, path)
 
 
+_THREADS = threading.Lock()  # flock is per process on NFS (Linux maps it to fcntl locks): threads take this first
+
+
 @contextmanager
 def manifest_lock(root: Path):
     """An exclusive lock on the store's manifest (flock on a file beside it): writers in several processes
-    (data-parallel extract) read-modify-replace the manifest one at a time. A writer killed while holding it
-    releases it with its process."""
-    with open(Path(root) / LOCK, "a") as f:
+    (data-parallel extract) and threads (extract.write_workers) read-modify-replace the manifest one at a time.
+    A writer killed while holding it releases it with its process."""
+    with _THREADS, open(Path(root) / LOCK, "a") as f:
         fcntl.flock(f, fcntl.LOCK_EX)
         try:
             yield
@@ -241,7 +244,7 @@ class ShardWriter:
     """
 
     def __init__(self, root: Path, spec: ShardSpec, facts: dict, widths: tuple[int, int],
-                 chunk_tokens: int = 512, compressor: str = "blosc_lz4", clevel: int = 3):
+                 chunk_tokens: int, compressor: str = "blosc_lz4", clevel: int = 3):
         self.root, self.spec, self.facts = Path(root), spec, facts
         self.final = self.root / shard_name(spec.index)
         self.tmp = self.root / (shard_name(spec.index) + ".tmp")

@@ -77,7 +77,8 @@ def activation_terms(s: DraftShape, bf16: bool, loss_chunk: int | None = None) -
 
 def dense_target_params(layers: int, s: DraftShape, vocab: int) -> int:
     """A dense decoder's parameters from its layer shape (untied embeddings and lm_head, RMSNorm): what a target
-    that declares no `num_parameters` is taken to hold. A MoE target must declare its own (all experts)."""
+    that declares no `num_parameters` is taken to hold; an upper bound for a target that ties them (SmolLM2).
+    A MoE target must declare its own (all experts)."""
     attn = s.hidden * s.heads * s.head_dim * 2 + s.hidden * s.kv_heads * s.head_dim * 2
     return 2 * vocab * s.hidden + layers * (attn + 3 * s.hidden * s.intermediate + 2 * s.hidden) + s.hidden
 
@@ -105,7 +106,7 @@ def estimate(s: DraftShape, p: DraftParams, world_size: int = 1, strategy: str =
         parts["autocast bf16 copies of trainable weights"] = 2 * p.linear_trainable
     parts["batch (hidden states bf16 + ids, masks)"] = s.tokens * ((s.n_aux + 1) * s.hidden * 2 + 4 * 8)
     acts = activation_terms(s, bf16, loss_chunk)
-    parts["activations (TTT forward, kept for backward)"] = sum(acts.values())
+    parts[ACTIVATIONS] = sum(acts.values())
     parts[LOSS_BACKWARD] = loss_backward_bytes(s, loss_chunk, bf16)
     parts.update(beside or {})
     # the loss's backward runs first, on top of every activation, before any gradient of a weight exists: the peak
@@ -116,6 +117,7 @@ def estimate(s: DraftShape, p: DraftParams, world_size: int = 1, strategy: str =
 
 
 LOSS_BACKWARD = "loss backward working set (not with the gradients)"
+ACTIVATIONS = "activations (TTT forward, kept for backward)"
 
 
 def loss_backward_bytes(s: DraftShape, loss_chunk: int | None = None, bf16: bool = False) -> int:

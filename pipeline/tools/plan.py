@@ -51,8 +51,9 @@ def compute(cfg) -> dict:
     strategy = str(getattr(cfg.train.strategy, "value", cfg.train.strategy))
     target_params, counted = target_parameters(cfg, shape)
     beside = {}
-    if str(getattr(cfg.train.features, "value", cfg.train.features)) == "online":
-        beside[ONLINE_TARGET] = 2 * target_params
+    if str(getattr(cfg.train.features, "value", cfg.train.features)) == "online":  # extract's dtype, auto = bf16 on GPU
+        beside[ONLINE_TARGET] = (4 if cfg.extract.dtype in ("fp32", "float32") else 2) * target_params
+    # the probe's target is fp32 on eval.device: auto = the GPU a planned run trains on
     if cfg.train.eval_tau_every_steps and cfg.eval.device != "cpu":
         beside[PROBE_TARGET] = 4 * target_params
     est = memory.estimate(shape, params, p.world_size, strategy, bf16=p.precision == "bf16",
@@ -63,7 +64,7 @@ def compute(cfg) -> dict:
     return est
 
 
-ONLINE_TARGET = "target weights, bf16 (train.features=online: every rank holds one)"
+ONLINE_TARGET = "target weights, extract.dtype (train.features=online: every rank holds one)"
 PROBE_TARGET = "tau probe's target, fp32 (train.eval_tau_every_steps: rank 0, on eval.device)"
 
 
@@ -86,8 +87,9 @@ def run(cfg) -> None:
     table.add_column("GiB", justify="right")
     for name, value in est["parts"].items():
         table.add_row(name, f"{value / gib:.2f}")
-    for name, value in est["activation_terms"].items():
-        table.add_row(f"  {name}", f"{value / gib:.2f}", style="dim")
+        if name == memory.ACTIVATIONS:  # its breakdown right under it
+            for term, b in est["activation_terms"].items():
+                table.add_row(f"  {term}", f"{b / gib:.2f}", style="dim")
     table.add_row("peak (upper bound)", f"{est['peak'] / gib:.2f}", style="bold")
     Console(width=140).print(table)
     p = est["params"]

@@ -21,6 +21,8 @@ set -u
 G=${PLAN_DIR:-/tmp/g}; L=$G/logs; mkdir -p $L
 A=${PLAN_ARGS:-"+experiment=gpu_smollm2 target.path=/tmp/model/smol.gguf cache_dir=/tmp/epcache prepare.gen_batch_size=512 \
 train.pad_packs=true export.engines=[sglang] eval.sets=[heldout,mt_bench,mt_bench_turn2,humaneval] eval.num_prompts=80 eval.batch_size=40 ${DATA_ARGS:-}"}
+# TTT 3 / 3 epochs / 8K packs: +experiment=gpu_smollm2's recipe until 2026-12-02 (now the pack4k one); pinned here
+T3="train.ttt_steps=3 train.epochs=3 train.tokens_per_pack=8192 train.eval_tau_every_steps=null train.select=last"
 declare -A V=([bf16]="" [fp8]="extract.store_dtype=fp8_e4m3" [online]="train.features=online"
               [ttt7]=${VARIANT_A:-"train.ttt_steps=7 train.eval_tau_every_steps=78"}
               [ttt7_e6]=${VARIANT_B:-"train.ttt_steps=7 train.epochs=6 train.eval_tau_every_steps=78 train.select=tau"})
@@ -33,6 +35,7 @@ st() {  # st RUN STAGE: one stage of one run dir, logged; a failure is reported 
 clone() { mkdir -p $G/$2 && (cd $G/$1 && tar cf - --exclude=./features --exclude=./train --exclude=./export --exclude=./eval .) | (cd $G/$2 && tar xf -); }
 case "$1" in
   plan)
+    A="$A $T3"  # the recipe this plan measured (a variant's own overrides come after it)
     st bf16 prepare && st bf16 extract && st bf16 vocab || { touch $G/done; exit 1; }
     for v in fp8 online ttt7 ttt7_e6 prof_bf16; do clone bf16 $v; done
     for v in ttt7 ttt7_e6 prof_bf16; do cp -r $G/bf16/features $G/$v/; done
@@ -58,8 +61,6 @@ case "$1" in
     # data (data.limit=1000, its own regeneration: the data-amount slope; its heldout prompts differ, compare it on
     # MT-bench / HumanEval). Then the best heldout tau(k=3) export served by SGLang (needs .gpu-sgl/install.sh):
     # accept length per prompt set beside a no-speculation server (eval/sets_online.json).
-    # (pinned to the experiment's recipe of that day: it has since become the pack4k one)
-    T3="train.ttt_steps=3 train.epochs=3 train.tokens_per_pack=8192 train.eval_tau_every_steps=null train.select=last"
     E6="train.ttt_steps=7 train.epochs=6 train.tokens_per_pack=8192 train.select=tau eval.sets=[heldout,mt_bench,humaneval]"
     V[bf16]="$T3 eval.sets=[heldout]"; V[fp8]="$T3 extract.store_dtype=fp8_e4m3 eval.sets=[heldout]"
     V[lr1e3]="$E6 train.lr=1e-3 train.eval_tau_every_steps=78"
@@ -92,8 +93,8 @@ print(max(r, key=r.get))")
   recipe2)
     # Third plan (next session, #17): the online table first, then the data lever. (1) +experiment=gpu_smollm2 as it
     # now is (the pack4k recipe) on the 2,000 conversations; as soon as its export exists, SGLang serves it beside a
-    # no-speculation server: accept length and speedup per prompt set (eval/sets_online.json), while the offline
-    # evaluate runs. (2) Meanwhile, all 4,017 usable chitchat conversations (data.limit=null, 10,221 turns
+    # no-speculation server: accept length and speedup per prompt set (eval/sets_online.json); then the offline
+    # evaluate. (2) Meanwhile, all 4,017 usable chitchat conversations (data.limit=null, 10,221 turns
     # regenerated) with the measured levers combined (4K packs, TTT loss weights 0.8^i, lr 1e-3), tau probed every
     # half epoch, evaluated offline on heldout / MT-bench / HumanEval.
     S4="eval.sets=[heldout,mt_bench,humaneval]"
@@ -102,14 +103,15 @@ print(max(r, key=r.get))")
     A="$A train.num_workers=4"
     (st alldata prepare && st alldata extract && st alldata vocab && st alldata train && st alldata export \
       && st alldata evaluate) &
-    st best prepare && st best extract && st best vocab && st best train && st best export || { touch $G/done; exit 1; }
-    st best evaluate &
-    echo "=== sglang: serving best $(date +%T)"
+    st best prepare && st best extract && st best vocab && st best train && st best export || { wait; touch $G/done; exit 1; }
+    echo "=== sglang: serving best $(date +%T)"  # first: the online table is what this plan is for
+    rm -rf $G/sgl  # another plan's prompts and case records must not be taken for this one's
     if [ -f /tmp/sgl-site/.done ]; then
       python3 scripts/bench/sglang_serving.py --run-dir $G/best --work $G/sgl --budget 480 --case-s 60 --no-engine-check \
         --overrides "$A ${V[best]} eval.sets=[heldout,mt_bench,mt_bench_turn2,humaneval] train.wandb.mode=disabled \
         export.serve.sglang_args=[--attention-backend,triton]" --eval-conc 16 baseline good stop-baseline 2>&1 | tail -3
     else echo "no SGLang bundle in /tmp/sgl-site: not served"; fi
+    st best evaluate  # offline, after the online one: two evaluates in one run dir would race on stages.json
     wait
     BENCH_NAME=acceptance_recipe2 python3 scripts/bench/online_fp8_recipe_report.py $G $G/online_fp8_recipe_h200.json \
       "bash scripts/bench/online_fp8_recipe.sh start-recipe2 ($A)"

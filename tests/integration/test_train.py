@@ -201,7 +201,6 @@ def test_a_padded_pack_gives_the_loss_metrics_and_gradients_of_the_unpadded_one(
     and changes nothing the optimizer sees. fp32 on CPU."""
     from speculators.losses.utils import resolve_loss_config
 
-    from pipeline.data.features_dataset import pad_batch
     from pipeline.models import targets
     cfg, run_dir = tiny_run
     store = FeatureStore(run_dir / "features")
@@ -216,7 +215,10 @@ def test_a_padded_pack_gives_the_loss_metrics_and_gradients_of_the_unpadded_one(
     padded = collate(store, pack, 512, pad=True)
     n = exact["input_ids"].shape[1]
     assert padded["input_ids"].shape == (1, 512) and n < 512 and (padded["document_ids"][0, n:] == -1).all()
-    assert all(torch.equal(pad_batch(exact, 512)[k], padded[k]) for k in exact)  # collate pads in its one cat
+    extra = 512 - n  # what padding means, written out: document id -1, everything else 0, on the right
+    fill = {k: torch.full((1, extra, *v.shape[2:]), -1 if k == "document_ids" else 0, dtype=v.dtype)
+            for k, v in exact.items()}
+    assert all(torch.equal(torch.cat([exact[k], fill[k]], 1), padded[k]) for k in exact)
 
     def loss_metrics_grads(batch):
         model.zero_grad()

@@ -69,7 +69,7 @@ def test_store_refuses_features_from_other_facts(tmp_path):
 
 def test_uncommitted_shards_are_invisible_and_cleaned(tmp_path):
     manifest = fs.open_for_writing(tmp_path, FACTS)
-    writer = fs.ShardWriter(tmp_path, fs.ShardSpec(0, 0, [2]), FACTS, (8, 4))
+    writer = fs.ShardWriter(tmp_path, fs.ShardSpec(0, 0, [2]), FACTS, (8, 4), chunk_tokens=2)
     writer.write(0, np.arange(2), np.ones(2), torch.zeros(2, 8).bfloat16(), torch.zeros(2, 4).bfloat16())
     assert len(fs.FeatureStore(tmp_path)) == 0  # written, not committed
     (tmp_path / "shard-00001.zarr").mkdir()  # renamed but never entered in the manifest
@@ -80,7 +80,7 @@ def test_uncommitted_shards_are_invisible_and_cleaned(tmp_path):
 
 def test_commit_refuses_a_shard_with_unwritten_samples(tmp_path):
     manifest = fs.open_for_writing(tmp_path, FACTS)
-    writer = fs.ShardWriter(tmp_path, fs.ShardSpec(0, 0, [2, 2]), FACTS, (8, 4))
+    writer = fs.ShardWriter(tmp_path, fs.ShardSpec(0, 0, [2, 2]), FACTS, (8, 4), chunk_tokens=2)
     writer.write(0, np.arange(2), np.ones(2), torch.zeros(2, 8).bfloat16(), torch.zeros(2, 4).bfloat16())
     with pytest.raises(RuntimeError, match="1 samples never written"):
         writer.commit(manifest)
@@ -252,3 +252,23 @@ def test_an_fp8_store_is_not_a_bf16_store(tmp_path):
     _write(tmp_path, [3, 4])
     with pytest.raises(fs.StoreError, match="store_dtype: store=None asked='fp8_e4m3'"):
         fs.open_for_writing(tmp_path, FP8_FACTS)
+
+
+def test_threads_committing_shards_at_once_lose_no_manifest_entry_even_where_flock_is_per_process(tmp_path, monkeypatch):
+    """extract.write_workers: shards of one process commit from several threads. On NFS, Linux maps flock to fcntl
+    locks, which do not exclude threads of one process; simulated here at that boundary by a flock that excludes
+    nothing (named: fake_nfs_flock), with a slow read so that unguarded read-modify-writes would overlap."""
+    import threading
+    import time
+
+    fs.open_for_writing(tmp_path, FACTS)
+    monkeypatch.setattr(fs.fcntl, "flock", lambda f, op: None)  # fake_nfs_flock: no exclusion between threads
+    real_read = fs.read_manifest
+    monkeypatch.setattr(fs, "read_manifest", lambda root: (time.sleep(0.02), real_read(root))[1])
+    entries = [{"name": fs.shard_name(i), "sample_start": i, "sample_end": i + 1, "num_tokens": 1} for i in range(8)]
+    threads = [threading.Thread(target=fs.add_shard, args=(tmp_path, e)) for e in entries]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert [s["name"] for s in real_read(tmp_path)["shards"]] == [e["name"] for e in entries]
