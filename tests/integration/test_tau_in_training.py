@@ -10,6 +10,7 @@ from safetensors.torch import load_file
 
 from pipeline.errors import UserError
 from pipeline.runner import run_stages
+from pipeline.stages.train import BEST_TAU
 
 pytestmark = pytest.mark.slow
 # the target's own answers (regenerated), so the tiny draft learns to be accepted within a few dozen steps
@@ -66,3 +67,23 @@ def test_the_tau_logged_in_training_is_the_tau_evaluate_measures_on_the_export(r
 def test_select_tau_without_tau_steps_is_refused_in_one_line(make_cfg, tmp_path):
     with pytest.raises(UserError, match="train.select=tau picks the step of the highest tau: set train.eval_tau_every_steps"):
         run_stages(make_cfg("+experiment=tiny", "train.select=tau", "stage=train", run_dir=tmp_path))
+
+
+def test_select_tau_turned_on_for_a_run_finished_with_select_last_probes_its_last_step(make_cfg, tmp_path):
+    """A run trained to its end with select=last, then the same command with select=tau: train resumes at the last
+    step, where no tau was ever logged, probes it once, and the export takes that step (best_tau == final)."""
+    base = ["+experiment=tiny", "data.limit=48", "train.max_steps=12", "train.save_every_steps=6",
+            "train.val_every_steps=1000", "export.engines=[sglang]", "export.verify_in_engine=false",
+            "eval.num_prompts=2", "eval.max_new_tokens=8", "eval.max_draft=2", "export.serve.num_steps=2"]
+    for stage in ("prepare", "extract", "vocab", "train"):
+        run_stages(make_cfg(*base, f"stage={stage}", run_dir=tmp_path))
+    assert not _taus(tmp_path)
+    run_stages(make_cfg(*base, "train.select=tau", "train.eval_tau_every_steps=5", "stage=train", run_dir=tmp_path))
+    taus = _taus(tmp_path)
+    assert [r["step"] for r in taus] == [12]  # resumed at the end: no step ran, the last one was probed
+    summary = json.loads((tmp_path / "train" / "final" / "train_summary.json").read_text())
+    assert summary["selected"]["by"] == "tau" and summary["selected"]["step"] == 12
+    assert summary["selected"]["tau"] == taus[0]["k=2"]
+    best = load_file(str(tmp_path / "train" / BEST_TAU / "model.safetensors"))
+    final = load_file(str(tmp_path / "train" / "final" / "model.safetensors"))
+    assert best.keys() == final.keys() and all(torch.equal(best[k], final[k]) for k in best)
