@@ -200,7 +200,7 @@ def speculate(model, capture: Capture, dr: ExportedDraft, prompt: list[int], max
     return generated[:max_new], rounds
 
 
-_HELD: dict = {}  # inside one_target(): {"key": what was loaded, "target": the tuple _target returns}
+_HELD: dict = {}  # inside one_target(): {"on": True, "key": what was loaded, "target": the tuple _target returns}
 
 
 @contextmanager
@@ -218,20 +218,15 @@ def one_target():
         _HELD.clear()
         if held is not None:
             device = held[2]
-            _free(held)
+            held[4].remove()  # the hooks hold the model
             del held
             if device.type == "cuda":
                 torch.cuda.empty_cache()
 
 
-def _free(target) -> None:
-    """The hooks hold the model: without removing them its fp32 copy outlives every caller's reference."""
-    target[4].remove()
-
-
 def _target(cfg, store):
     """(folder, tokenizer, device, model, capture hooks): the target in fp32 on eval.device (fp32: greedy
-    equality is exact, not bf16-noisy). Inside one_target(), the one already loaded."""
+    equality is exact, not bf16-noisy). Inside one_target(), the one it holds (the first one loaded)."""
     folder = Path(store.facts["target_path"])
     device, _ = targets.pick_device_dtype(cfg.eval.device, "fp32")
     key = (str(folder), str(device), tuple(store.aux_layer_ids))
@@ -239,17 +234,16 @@ def _target(cfg, store):
         return _HELD["target"]
     model = targets.load_model(folder, cfg.target, device, torch.float32, "sdpa")
     target = folder, targets.load_tokenizer(folder, cfg.target), device, model, Capture(model, store.aux_layer_ids)
-    if _HELD.get("on"):
-        if "target" in _HELD:  # another target in the same evaluate run: the first one goes
-            _free(_HELD.pop("target"))
+    if _HELD.get("on") and "target" not in _HELD:
         _HELD.update(key=key, target=target)
     return target
 
 
 def _done(target) -> None:
-    """After a use: freed now, unless one_target() holds it for the next."""
+    """After a use: its hooks go now (without that, the fp32 copy outlives every reference), unless one_target()
+    holds it for the next use."""
     if _HELD.get("target") is not target:
-        _free(target)
+        target[4].remove()
 
 
 def greedy_answers(cfg, store, prompts: list[list[int]], max_new: int) -> list[str]:
@@ -263,7 +257,6 @@ def greedy_answers(cfg, store, prompts: list[list[int]], max_new: int) -> list[s
             ids = [g for i in range(0, len(prompts), size)
                    for g in batched.greedy(model, capture, prompts[i: i + size], max_new, tok.eos_token_id)]
     finally:
-        del model, capture
         _done(target)
     return [tok.decode(g, skip_special_tokens=True).strip() for g in ids]
 
@@ -306,7 +299,6 @@ def measure(cfg, store, prompts: list[list[int]], out: Path) -> Path:
                                     "target_forwards": len(pooled_rounds), "greedy_mismatches": mismatches}
             log.info("eval %s draft k=%d: tau %.3f, acceptance per position %s, greedy mismatches %d", name, k,
                      report[name][str(k)]["tau"], [round(x, 3) for x in accept], mismatches)
-    del model, capture
     _done(target)
     ks = report["draft_lengths"]
     lines = ["tau (tokens per target forward)  " + "".join(f"{'k=' + str(k):>8}" for k in ks)]

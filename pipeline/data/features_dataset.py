@@ -112,7 +112,7 @@ def collate(store: FeatureStore, pack: list, tokens_per_pack: int, pad: bool = F
         parts["position_ids"].append(torch.arange(a + 1, b + 1))
         parts["document_ids"].append(torch.full((n,), doc, dtype=torch.long))
     extra = tokens_per_pack - sum(len(x) for x in parts["input_ids"]) if pad else 0
-    if extra > 0:  # the padding joins the one concatenation (pad_batch's values, without a second copy)
+    if extra > 0:  # padded on the right inside the one concatenation (no second copy of the pack)
         for k, v in parts.items():
             v.append(v[0].new_full((extra, *v[0].shape[1:]), PAD_FILL.get(k, 0)))
     return {k: torch.cat(v)[None] for k, v in parts.items()}

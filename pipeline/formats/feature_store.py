@@ -174,9 +174,10 @@ def manifest_lock(root: Path):
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def add_shard(root: Path, entry: dict) -> dict:
+def add_shard(root: Path, entry: dict, into: Optional[dict] = None) -> dict:
     """Enter one committed shard in the manifest ON DISK, under the lock, and return that manifest: a shard
-    committed by another process in the meantime is kept, the list stays ordered by sample_start."""
+    committed by another process or thread in the meantime is kept, the list stays ordered by sample_start.
+    `into`: the caller's copy, replaced by it under the same lock (so the last commit leaves the newest)."""
     with manifest_lock(root):
         manifest = read_manifest(root)
         if manifest is None:
@@ -184,6 +185,9 @@ def add_shard(root: Path, entry: dict) -> dict:
         manifest["shards"] = sorted([s for s in manifest["shards"] if s["name"] != entry["name"]] + [entry],
                                     key=lambda s: s["sample_start"])
         write_manifest(root, manifest)
+        if into is not None:
+            into.clear()
+            into.update(manifest)
     return manifest
 
 
@@ -230,9 +234,6 @@ class ShardSpec:
     @property
     def sample_end(self) -> int:
         return self.sample_start + len(self.lengths)
-
-
-_CALLER_COPY = threading.Lock()
 
 
 class ShardWriter:
@@ -309,12 +310,9 @@ class ShardWriter:
             arr[...] = data
         group.create_array("offsets", data=self.offsets, compressors=[Crc32cCodec()], config=ALL_CHUNKS)
         os.replace(self.tmp, self.final)
-        on_disk = add_shard(self.root, {"name": self.final.name, "sample_start": self.spec.sample_start,
-                                        "sample_end": self.spec.sample_end, "num_tokens": int(self.offsets[-1])})
-        with _CALLER_COPY:  # several shards may commit at once (extract.write_workers): keep the newest
-            if len(on_disk["shards"]) >= len(manifest.get("shards", [])):
-                manifest.clear()
-                manifest.update(on_disk)  # the caller's copy: what is on disk, other processes' shards included
+        # the caller's copy becomes what is on disk, other processes' and threads' shards included
+        add_shard(self.root, {"name": self.final.name, "sample_start": self.spec.sample_start,
+                              "sample_end": self.spec.sample_end, "num_tokens": int(self.offsets[-1])}, into=manifest)
         self.buffers.clear()
 
 

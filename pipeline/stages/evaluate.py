@@ -1,6 +1,7 @@
 """Stage `evaluate`: how many tokens the exported draft gets accepted, per prompt set (`eval.sets`): the prompts
 train held out (`heldout`, written to eval/), and standard sets from PyPI wheels (mt_bench, humaneval:
-pipeline/data/prompt_sets.py; each written to eval/<set>/, with one table over the sets in eval/sets.json, online eval/sets_online.json).
+pipeline/data/prompt_sets.py; each written to eval/<set>/, with one table over the sets in eval/sets.json; online
+in eval/sets_online.json).
 
 Two benches, one entry shape (`measure(cfg, store, prompts, out)`):
 - offline (default, no server): pipeline/acceptance/offline.py, greedy chain speculative decoding with the local
@@ -146,9 +147,10 @@ def set_prompts(cfg, store, name: str, n: int, prompt_tokens: int, bench=None) -
 
 
 def _sets_table(cfg) -> None:
-    """eval/sets.json and a log table, one row per prompt set: offline, tau of the trained draft per draft length;
-    online (eval.endpoint, eval/sets_online.json: the offline table stays), the server's accept length and, with a baseline server, the speedup (SpecBundle's
-    shape: one accept length per benchmark at the server's own steps / topk / draft tokens)."""
+    """A log table and its JSON, one row per prompt set. Offline (eval/sets.json): tau of the trained draft per
+    draft length. Online (eval.endpoint, eval/sets_online.json, so the offline table stays): the server's accept
+    length and, with a baseline server, the speedup (SpecBundle's shape: one accept length per benchmark at the
+    server's own steps / topk / draft tokens)."""
     rows = {}
     if cfg.eval.endpoint:
         for name in cfg.eval.sets:

@@ -16,6 +16,7 @@ import logging
 from rich.console import Console
 from rich.table import Table
 
+from pipeline import features
 from pipeline.engines.hf_capture import aux_layer_ids
 from pipeline.errors import UserError
 from pipeline.models import draft, memory
@@ -51,7 +52,7 @@ def compute(cfg) -> dict:
     strategy = str(getattr(cfg.train.strategy, "value", cfg.train.strategy))
     target_params, counted = target_parameters(cfg, shape)
     beside = {}
-    if str(getattr(cfg.train.features, "value", cfg.train.features)) == "online":  # extract's dtype, auto = bf16 on GPU
+    if features.online(cfg):  # the target in extract's dtype, auto = bf16 on GPU
         beside[ONLINE_TARGET] = (4 if cfg.extract.dtype in ("fp32", "float32") else 2) * target_params
     # the probe's target is fp32 on eval.device: auto = the GPU a planned run trains on
     if cfg.train.eval_tau_every_steps and cfg.eval.device != "cpu":

@@ -33,6 +33,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 from pipeline.data.features_dataset import PackDataset, plan_packs  # noqa: E402
 from pipeline.formats import feature_store as fs  # noqa: E402
+from pipeline.stages.extract import plan_shards  # noqa: E402
 
 
 def states(n: int, width: int, g: torch.Generator) -> torch.Tensor:
@@ -49,12 +50,7 @@ def write_store(root: Path, lengths: np.ndarray, hidden: int, n_aux: int, chunk:
         facts["store_dtype"] = fs.FP8
     manifest = fs.open_for_writing(root, facts)
     g = torch.Generator().manual_seed(0)  # the same states in every store
-    start, index = 0, 0
-    while start < len(lengths):
-        end = start + 1
-        while end < len(lengths) and lengths[start:end + 1].sum() <= shard_tokens:
-            end += 1
-        spec = fs.ShardSpec(index, start, lengths[start:end].tolist())
+    for spec in plan_shards(lengths, shard_tokens):  # extract's own shard layout
         w = fs.ShardWriter(root, spec, facts, (n_aux * hidden, hidden), chunk, "blosc_lz4")
         for j, n in enumerate(spec.lengths):
             aux, last = states(n, n_aux * hidden, g), states(n, hidden, g)
@@ -64,7 +60,6 @@ def write_store(root: Path, lengths: np.ndarray, hidden: int, n_aux: int, chunk:
             else:
                 w.write(j, np.arange(n, dtype=np.int32), np.ones(n, np.uint8), aux, last)
         w.commit(manifest)
-        start, index = end, index + 1
     return sum(f.stat().st_size for f in root.rglob("*") if f.is_file())
 
 
