@@ -121,7 +121,8 @@ def main(overrides):
         results[f"store_{key}_bytes"] = size
     cfg.extract.write_workers = 1
     targets.load_model, extract._extract_shards = load_model, shards
-    out = Path(os.environ.get("OUT", cfg.run_dir)) / "bench_extract.json"
+    out = Path(os.environ.get("OUT") or cfg.run_dir) / "bench_extract.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=1))
     n = results["tokens"]
     print(f"\n{results['device']} {results['dtype']} | {n} tokens, {results['samples']} samples, "

@@ -12,8 +12,8 @@ step() { echo "=== $1 $(date +%T)"; }
 case "$1" in
   plan)
     step "extract SmolLM2"
-    OUT=$G/out/smol python3 scripts/bench/extract_throughput.py $S run_dir=$G/xs data.limit=1500 \
-      extract.batch_tokens=65536 extract.max_batch_size=256 > $G/xs.log 2>&1; mkdir -p $G/out/smol; tail -12 $G/xs.log
+    mkdir -p $G/out/smol; OUT=$G/out/smol python3 scripts/bench/extract_throughput.py $S run_dir=$G/xs data.limit=1500 \
+      extract.batch_tokens=65536 extract.max_batch_size=256 > $G/xs.log 2>&1; tail -12 $G/xs.log
     step "train MFU, 8B-shape draft"
     OUT=$G/out python3 scripts/bench/train_mfu.py --target llama3_8b --tokens 8192 16384 --ttt 7 --steps 8 --attn sdpa simple_flex_attention > $G/mfu.log 2>&1
     tail -4 $G/mfu.log
