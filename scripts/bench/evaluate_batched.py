@@ -40,6 +40,33 @@ def tau(rows) -> float:
     return sum(r + 1 for r in rounds) / max(len(rounds), 1)
 
 
+def profile_one(model, capture, dr, prompts, n, k, eos, device) -> tuple[dict, str]:
+    """What binds a batched run: one batch at draft length k under torch.profiler; the device's busy time (the
+    union of kernel intervals) against the wall time, kernel launches and rounds; and the operator tables."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from train_profile import _busy_us
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    sync(device)
+    with profile(activities=acts) as prof:
+        t0 = time.perf_counter()
+        rows = batched.speculate(model, capture, dr, prompts, n, k, eos)
+        sync(device)
+        wall = time.perf_counter() - t0
+    ev = prof.key_averages()
+    launches = sum(e.count for e in ev if e.key in ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC"))
+    rounds = max(len(r) for _, r in rows)
+    busy = _busy_us(prof.events()) / 1e6
+    res = {"k": k, "rows": len(rows), "rounds": rounds, "wall_s": round(wall, 3), "gpu_busy_s": round(busy, 3),
+           "gpu_busy_fraction": round(busy / wall, 3), "kernel_launches": launches,
+           "launches_per_round": round(launches / rounds, 1), "host_syncs": sum(
+               e.count for e in ev if e.key in ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaMemcpyAsync"))}
+    table = (ev.table(sort_by="self_device_time_total", row_limit=25) + "\n\n"
+             + ev.table(sort_by="self_cpu_time_total", row_limit=25))
+    return res, table
+
+
 def main() -> None:
     register()
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
@@ -80,12 +107,15 @@ def main() -> None:
         batched_total += t2 - t1
         print(f"k={k}: serial {t1 - t0:.1f} s, batched {t2 - t1:.1f} s, tau {tau(serial):.4f} / {tau(rows):.4f}, "
               f"identical rows {sum(same)}/{len(same)}", flush=True)
+    result["profile_k3"], table = profile_one(model, capture, dr, chunks[0], n, min(3, e.max_draft), eos, device)
     result.update(serial_s=round(serial_total, 2), batched_s=round(batched_total, 2),
                   speedup=round(serial_total / batched_total, 2),
                   tau_equal=all(r["tau_serial"] == r["tau_batched"] for r in result["per_k"].values()))
     out = Path(os.environ.get("OUT") or RunDir.of(cfg).root)
     out.mkdir(parents=True, exist_ok=True)
     (out / "evaluate_batched.json").write_text(json.dumps(result, indent=1))
+    (out / "evaluate_batched_profile.txt").write_text(table)
+    print("profile (first batch, k=3): " + json.dumps(result["profile_k3"]))
     print(f"serial {serial_total:.1f} s, batched {batched_total:.1f} s: {serial_total / batched_total:.1f}x; "
           f"tau equal: {result['tau_equal']}")
 

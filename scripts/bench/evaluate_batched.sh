@@ -21,5 +21,5 @@ case "$1" in
     rm -f $W/done; setsid bash "$0" plan > $W/plan.log 2>&1 < /dev/null & echo "plan pgid $!";;
   wait)
     for i in $(seq 1 $(( $2 / 5 ))); do [ -f $W/done ] && break; sleep 5; done
-    cat $W/plan.log; [ -f $W/done ] && [ -n "${OUT:-}" ] && cp $W/*.json $OUT/ 2>/dev/null; true;;
+    cat $W/plan.log; [ -f $W/done ] && [ -n "${OUT:-}" ] && cp $W/*.json $W/*.txt $OUT/ 2>/dev/null; true;;
 esac
