@@ -39,11 +39,7 @@ def shape_of(target: str, tokens: int, ttt: int, draft_vocab: int) -> tuple[memo
     return plan.shape_of(cfg), int(t.vocab_size)
 
 
-def one(s: memory.DraftShape, vocab: int, steps: int, warmup: int, chunk, device, attn: str = "sdpa") -> dict:
-    torch._dynamo.reset()  # each row compiles its own static shapes (no graph made dynamic by the row before)
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-    model, batch = memory.random_draft(s, vocab, device, attn=attn)
+def _step_fn(model, batch, s: memory.DraftShape, chunk, device):
     trainable = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(trainable, lr=1e-4, betas=(0.9, 0.95))
     fwd = dict(ttt_steps=s.ttt_steps, loss_config=losses.loss_config("kl_div", chunk))
@@ -55,11 +51,31 @@ def one(s: memory.DraftShape, vocab: int, steps: int, warmup: int, chunk, device
         torch.nn.utils.clip_grad_norm_(trainable, 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
+    return step, trainable
 
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+def count_flops(s: memory.DraftShape, vocab: int, chunk, device, attn: str) -> int:
+    """FLOPs of one whole step, counted eagerly (the counter sees every aten op; inside a compiled graph it would
+    see none). FlexAttention has no eager path under the counter's mode, so its rows are counted on the same draft
+    with sdpa (dense masks: the masked positions counted, as sdpa computes them)."""
+    model, batch = memory.random_draft(s, vocab, device, attn=attn)
+    step, _ = _step_fn(model, batch, s, chunk, device)
     with torch.compiler.set_stance("force_eager"), FlopCounterMode(display=False) as counter:
-        step()  # counted eagerly: the counter sees every aten op (inside a compiled graph it would see none)
-    flops = counter.get_total_flops()
+        step()
+    return counter.get_total_flops()
+
+
+def one(s: memory.DraftShape, vocab: int, steps: int, warmup: int, chunk, device, attn: str = "sdpa") -> dict:
+    torch._dynamo.reset()  # each row compiles its own static shapes (no graph made dynamic by the row before)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    flops_attn = "sdpa" if "flex" in attn else attn
+    flops = count_flops(s, vocab, chunk, device, flops_attn)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    model, batch = memory.random_draft(s, vocab, device, attn=attn)
+    step, trainable = _step_fn(model, batch, s, chunk, device)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     for _ in range(warmup):  # compilation (speculators compiles its forward on CUDA) and the allocator settle
         step()
     sync()
@@ -72,10 +88,20 @@ def one(s: memory.DraftShape, vocab: int, steps: int, warmup: int, chunk, device
     dt = (time.perf_counter() - t0) / steps
     est = memory.estimate(s, memory.draft_params(model), loss_chunk=chunk)
     return {"attn": attn, "tokens": s.tokens, "ttt_steps": s.ttt_steps, "draft_vocab": s.draft_vocab, "target_vocab": vocab,
-            "trainable_params": sum(p.numel() for p in trainable), "flops_per_step": flops, "step_s": dt,
-            "tokens_per_s": s.tokens / dt, "tflops_per_s": flops / dt / 1e12,
+            "trainable_params": sum(p.numel() for p in trainable), "flops_per_step": flops, "flops_counted_with": flops_attn,
+            "step_s": dt, "tokens_per_s": s.tokens / dt, "tflops_per_s": flops / dt / 1e12,
             "peak_allocated_gib": torch.cuda.max_memory_allocated(device) / 2 ** 30 if device.type == "cuda" else None,
             "estimate_gib": round(est["peak"] / 2 ** 30, 2)}
+
+
+def write(a, device, rows) -> None:
+    res = {"bench": "train_mfu", "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+           "host": socket.gethostname(), "device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu",
+           "torch": torch.__version__, "command": "python scripts/bench/train_mfu.py " + " ".join(sys.argv[1:]),
+           "target_shape": a.target, "peak_tflops": a.peak_tflops, "rows": rows}
+    out = Path(os.environ.get("OUT") or ".")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "train_mfu.json").write_text(json.dumps(res, indent=1))
 
 
 def main() -> None:
@@ -100,16 +126,13 @@ def main() -> None:
                 r = one(s, vocab, a.steps, a.warmup, a.loss_chunk or None, device, attn)
             except torch.OutOfMemoryError as e:
                 r = {"attn": attn, "tokens": T, "ttt_steps": a.ttt, "error": f"out of memory: {str(e).splitlines()[0]}"}
+            except Exception as e:  # noqa: BLE001 - a row that fails is recorded, the other rows still run
+                r = {"attn": attn, "tokens": T, "ttt_steps": a.ttt, "error": f"{type(e).__name__}: {str(e).splitlines()[0]}"}
             if "tflops_per_s" in r:
                 r["mfu"] = r["tflops_per_s"] / a.peak_tflops
             rows.append(r)
-            print(json.dumps(r))
-    res = {"bench": "train_mfu", "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-           "host": socket.gethostname(), "device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu",
-           "torch": torch.__version__, "command": "python scripts/bench/train_mfu.py " + " ".join(sys.argv[1:]),
-           "target_shape": a.target, "peak_tflops": a.peak_tflops, "rows": rows}
-    out = Path(os.environ.get("OUT") or ".")
-    (out / "train_mfu.json").write_text(json.dumps(res, indent=1))
+            print(json.dumps(r), flush=True)
+            write(a, device, rows)  # after every row: a later row that kills the process loses nothing
     print(f"{'attn':>22} {'tokens':>7} {'ttt':>4} {'step s':>8} {'tok/s':>9} {'TFLOP/s':>8} {'MFU':>6} {'peak GiB':>9} {'est GiB':>8}")
     for r in rows:
         if "error" in r:
