@@ -128,10 +128,10 @@ class ExtractConfig:
     # padded tokens per forward (length-bucketed); larger = faster on GPU, more memory; CPU wants ~4096
     batch_tokens: int = 16384
     max_batch_size: int = 64
-    # A shard closes when the next sample would exceed this: the host buffer per shard (x (1 + write_workers)
-    # while earlier ones compress), 1.5 GB for SmolLM2, 15 GB for Kimi-K2.5.
+    # A shard closes when the next sample would exceed this: the host buffer per shard (x 2: one commits while the
+    # next computes), 1.2 GB for SmolLM2, 15 GB for Kimi-K2.5.
     shard_tokens: int = 262144
-    # shards committed at once, in threads beside the capture, each holding its shard's host buffer
+    # > 1: processes that encode and write every shard's chunks from shared memory (/dev/shm); 1: this process
     # (docs/feature_store.md, writing protocol 5). Raise it where the writer, not the capture, binds
     # (scripts/bench/extract_throughput.py measures both). Not in extract's fingerprint: the bytes are the same
     write_workers: int = 1
@@ -223,6 +223,9 @@ class TrainConfig:
     max_steps: Optional[int] = None  # null = epochs x packs / grad_accum
     lr: float = 3e-4
     weight_decay: float = 0.0
+    # AdamW's (beta1, beta2). EAGLE's 0.95 by default; speculators' Trainer and SpecForge use torch's 0.999 (issue
+    # #14: the side-by-side bench sets it to theirs so that only the loop differs)
+    adam_betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
     schedule: str = "cosine"  # transformers get_scheduler name: cosine | linear | constant_with_warmup
     warmup_steps: int = 10
     max_grad_norm: float = 1.0

@@ -38,6 +38,9 @@ import torch
 import zarr
 from zarr.codecs import BloscCodec, BloscShuffle, Crc32cCodec
 
+from pipeline.formats import shard_regions
+from pipeline.formats.shard_regions import ALL_CHUNKS  # an all-zero chunk is written too: a missing file is damage
+
 SCHEMA_VERSION = 2  # 2: every chunk carries a crc32c (schema 1 had none)
 CHECKSUM = "crc32c"  # per chunk, zarr v3 codec, recorded in the manifest
 FORMAT = "eaglepipe-features"
@@ -48,7 +51,6 @@ FP8_MAX = 448.0  # largest finite float8_e4m3fn
 SCALES = ("aux_scale", "last_scale")
 MANIFEST = "manifest.json"
 LOCK = ".manifest.lock"  # held while the manifest is read, changed and replaced (several writer processes)
-ALL_CHUNKS = {"write_empty_chunks": True}  # an all-zero chunk is written too, so a missing file is damage
 ARRAYS = ("input_ids", "loss_mask", "offsets", "aux_hidden", "last_hidden")
 
 
@@ -244,8 +246,11 @@ class ShardWriter:
     and re-encode each chunk once per sample it holds. Memory = shard tokens x (n_aux+1) x H x 2 bytes.
     """
 
+    STATES = ("aux_hidden", "last_hidden")  # what writer processes write (the rest is small: this process)
+    PIECES = 32  # chunk-aligned ranges per array handed to the writer processes: none idles while one finishes
+
     def __init__(self, root: Path, spec: ShardSpec, facts: dict, widths: tuple[int, int],
-                 chunk_tokens: int, compressor: str = "blosc_lz4", clevel: int = 3):
+                 chunk_tokens: int, compressor: str = "blosc_lz4", clevel: int = 3, shared: bool = False):
         self.root, self.spec, self.facts = Path(root), spec, facts
         self.final = self.root / shard_name(spec.index)
         self.tmp = self.root / (shard_name(spec.index) + ".tmp")
@@ -259,9 +264,11 @@ class ShardWriter:
         self.fp8_compressors = self.compressors if compressor == "none" else \
             [BloscCodec(cname="zstd", clevel=clevel, shuffle=BloscShuffle.noshuffle), Crc32cCodec()]
         states = np.uint8 if self.fp8 else np.uint16
-        self.buffers = {"input_ids": np.zeros(total, np.int32), "loss_mask": np.zeros(total, np.uint8),
-                        "aux_hidden": np.zeros((total, widths[0]), states),
-                        "last_hidden": np.zeros((total, widths[1]), states)}
+        self.buffers = {"input_ids": np.zeros(total, np.int32), "loss_mask": np.zeros(total, np.uint8)}
+        specs = {"aux_hidden": ((total, widths[0]), states), "last_hidden": ((total, widths[1]), states)}
+        # shared: the states in shared memory, for commit(pool=) to write from several processes
+        self.shared = shard_regions.SharedArrays(specs) if shared else None
+        self.buffers.update(self.shared.arrays if shared else {k: np.zeros(*v) for k, v in specs.items()})
         if self.fp8:
             n_aux = widths[0] // widths[1]
             self.buffers.update(aux_scale=np.zeros((total, n_aux), np.float32),
@@ -290,15 +297,33 @@ class ShardWriter:
             self.buffers["last_hidden"][a:b] = bf16_to_bits(last_hidden)
         self.written[local_index] = True
 
-    def commit(self, manifest: dict) -> None:
+    @staticmethod
+    def shared_bytes(tokens: int, widths: tuple[int, int], fp8: bool) -> int:
+        """Shared memory one shard of `tokens` tokens holds with shared=True."""
+        return tokens * (widths[0] + widths[1]) * (1 if fp8 else 2)
+
+    def commit(self, manifest: dict, pool=None) -> None:
+        """Write the shard, rename it into place, enter it in the manifest. `pool` (an Executor of processes, with
+        shared=True): its processes encode and write chunk-aligned ranges of the states at once."""
+        try:
+            self._commit(manifest, pool)
+        finally:
+            self.buffers.clear()
+            if self.shared is not None:
+                self.shared.release()
+
+    def _commit(self, manifest: dict, pool) -> None:
         missing = np.flatnonzero(~self.written)
         if len(missing):
             raise RuntimeError(f"shard {self.spec.index}: {len(missing)} samples never written")
+        if pool is not None and self.shared is None:
+            raise ValueError("ShardWriter.commit(pool=...) needs shared=True")
         if self.tmp.exists():
             shutil.rmtree(self.tmp)
         group = zarr.open_group(str(self.tmp), mode="w", zarr_format=3)
         group.attrs.update({**self.facts, "sample_range": [self.spec.sample_start, self.spec.sample_end],
                             "num_tokens": int(self.offsets[-1]), "shard_index": self.spec.index})
+        jobs = []
         for name, data in self.buffers.items():
             arr = group.create_array(name, shape=data.shape, chunks=(self.chunk, *data.shape[1:]), dtype=data.dtype,
                                      compressors=self.fp8_compressors if self.fp8 and data.dtype == np.uint8
@@ -307,13 +332,18 @@ class ShardWriter:
                 arr.attrs.update({"logical_dtype": LOGICAL_DTYPE, "storage_dtype": str(data.dtype)} if not self.fp8
                                  else {"logical_dtype": LOGICAL_DTYPE, "storage_dtype": "uint8",
                                        "encoding": f"{FP8}: value = float8_e4m3fn(bits) x {name[:-7]}_scale"})
-            arr[...] = data
+            if pool is not None and name in self.STATES:
+                jobs += [pool.submit(shard_regions.write_region, str(self.tmp / name), self.shared.handle(name), a, b)
+                         for a, b in shard_regions.regions(len(data), self.chunk, self.PIECES)]
+            else:
+                arr[...] = data
+        for job in jobs:
+            job.result()
         group.create_array("offsets", data=self.offsets, compressors=[Crc32cCodec()], config=ALL_CHUNKS)
         os.replace(self.tmp, self.final)
         # the caller's copy becomes what is on disk, other processes' and threads' shards included
         add_shard(self.root, {"name": self.final.name, "sample_start": self.spec.sample_start,
                               "sample_end": self.spec.sample_end, "num_tokens": int(self.offsets[-1])}, into=manifest)
-        self.buffers.clear()
 
 
 # ------------------------------------------------------------------------------------------------- reader

@@ -270,6 +270,30 @@ def _scatter(writer, ids_all, mask_all, batch: list[int], lengths: list[int], co
         writer.write(i, np.asarray(ids_all[i]), np.asarray(mask_all[i]), parts[0][j], parts[1][j], scales)
 
 
+def _writer_processes(ex, widths: tuple[int, int], fp8: bool):
+    """extract.write_workers > 1: that many processes encode and write every shard's chunks (one process's zarr
+    writes are serial), the shard buffers in shared memory; None (this process writes) where there is one worker,
+    or /dev/shm cannot hold the two shards in flight (said in the log)."""
+    if ex.write_workers <= 1:
+        return None
+    need = 2 * fs.ShardWriter.shared_bytes(ex.shard_tokens, widths, fp8)
+    free = fs.shard_regions.shm_free_bytes()
+    if free < need:
+        log.warning("extract.write_workers=%d: %s has %.1f GB free, two shards in flight need %.1f GB "
+                    "(extract.shard_tokens=%d); this process writes every shard", ex.write_workers,
+                    fs.shard_regions.SHM_DIR, free / 1e9, need / 1e9, ex.shard_tokens)
+        return None
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    # spawn: the writers never touch CUDA nor inherit the target; they import numpy and zarr only
+    pool = ProcessPoolExecutor(max_workers=ex.write_workers, mp_context=multiprocessing.get_context("spawn"))
+    for _ in range(ex.write_workers):
+        pool.submit(fs.shard_regions.ready)  # the processes start while the first shard computes
+    log.info("extract: %d writer processes, shard buffers in %s", ex.write_workers, fs.shard_regions.SHM_DIR)
+    return pool
+
+
 def _extract_shards(cfg, ds, todo, capture, facts, manifest, device, hidden: int, n_aux: int,
                     write: bool = True) -> None:
     ex = cfg.extract
@@ -277,39 +301,46 @@ def _extract_shards(cfg, ds, todo, capture, facts, manifest, device, hidden: int
     t0, tokens_done = time.time(), 0
     bar = tqdm(total=int(sum(sum(s.lengths) for s in todo)), desc="extract", unit="tok", mininterval=1.0)
     commits: deque[Future] = deque()
-    # compressing shards k-w+1..k overlaps computing k+1 (w = extract.write_workers)
-    with ThreadPoolExecutor(max_workers=ex.write_workers, thread_name_prefix="extract-write") as writer_pool:
-        for spec in todo:
-            writer = fs.ShardWriter(out_dir(cfg), spec, facts, (n_aux * hidden, hidden), ex.chunk_tokens,
-                                    str(getattr(ex.compressor, "value", ex.compressor)), ex.clevel)
-            rows = ds.select(range(spec.sample_start, spec.sample_end))
-            ids_all, mask_all = rows["input_ids"], rows["loss_mask"]
-            pending = None  # the previous batch: its copy to the host runs while this batch computes
-            for batch in plan_batches(spec.lengths, ex.batch_tokens, ex.max_batch_size):
-                input_ids, attn = pad_batch([ids_all[i] for i in batch])
-                aux_h, last_h = capture(input_ids.to(device), attn.to(device))
-                if not write:
-                    continue
-                ns = [spec.lengths[i] for i in batch]
-                rows = [_valid_rows(h, ns) for h in (aux_h, last_h)]  # the real tokens only
-                if fp8:  # encoded on the device: half the bytes cross to the host
-                    (a_bits, a_scale), (l_bits, l_scale) = fs.encode_fp8(rows[0], n_aux), fs.encode_fp8(rows[1], 1)
-                    rows = [a_bits, l_bits, a_scale, l_scale]
-                copied = [_to_host(r) for r in rows]
+    widths = (n_aux * hidden, hidden)
+    procs = _writer_processes(ex, widths, fp8) if write else None
+    # committing shard k (its chunks encoded and written by extract.write_workers processes) overlaps computing k+1
+    try:
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="extract-commit") as commit_thread:
+            for spec in todo:
+                writer = fs.ShardWriter(out_dir(cfg), spec, facts, widths, ex.chunk_tokens,
+                                        str(getattr(ex.compressor, "value", ex.compressor)), ex.clevel,
+                                        shared=procs is not None)
+                rows = ds.select(range(spec.sample_start, spec.sample_end))
+                ids_all, mask_all = rows["input_ids"], rows["loss_mask"]
+                pending = None  # the previous batch: its copy to the host runs while this batch computes
+                for batch in plan_batches(spec.lengths, ex.batch_tokens, ex.max_batch_size):
+                    input_ids, attn = pad_batch([ids_all[i] for i in batch])
+                    aux_h, last_h = capture(input_ids.to(device), attn.to(device))
+                    if not write:
+                        continue
+                    ns = [spec.lengths[i] for i in batch]
+                    rows = [_valid_rows(h, ns) for h in (aux_h, last_h)]  # the real tokens only
+                    if fp8:  # encoded on the device: half the bytes cross to the host
+                        (a_bits, a_scale), (l_bits, l_scale) = fs.encode_fp8(rows[0], n_aux), fs.encode_fp8(rows[1], 1)
+                        rows = [a_bits, l_bits, a_scale, l_scale]
+                    copied = [_to_host(r) for r in rows]
+                    if pending is not None:
+                        _scatter(writer, ids_all, mask_all, *pending)
+                    pending = (batch, ns, copied)
+                    bar.update(int(sum(ns)))
                 if pending is not None:
                     _scatter(writer, ids_all, mask_all, *pending)
-                pending = (batch, ns, copied)
-                bar.update(int(sum(ns)))
-            if pending is not None:
-                _scatter(writer, ids_all, mask_all, *pending)
-            while len(commits) >= ex.write_workers:
-                commits.popleft().result()  # at most write_workers shards compressing while the next one computes
-            if write:
-                commits.append(writer_pool.submit(writer.commit, manifest))
-            tokens_done += sum(spec.lengths)
-            bar.set_postfix(shard=spec.index, tok_s=f"{tokens_done / (time.time() - t0):.0f}")
-        while commits:
-            commits.popleft().result()
+                while commits:
+                    commits.popleft().result()  # one shard committing while the next one computes
+                if write:
+                    commits.append(commit_thread.submit(writer.commit, manifest, procs))
+                tokens_done += sum(spec.lengths)
+                bar.set_postfix(shard=spec.index, tok_s=f"{tokens_done / (time.time() - t0):.0f}")
+            while commits:
+                commits.popleft().result()
+    finally:
+        if procs is not None:
+            procs.shutdown(cancel_futures=True)
     bar.close()
     log.info("extract: %d tokens written in %.1f s (%.0f tokens/s)", tokens_done, time.time() - t0,
              tokens_done / max(time.time() - t0, 1e-9))

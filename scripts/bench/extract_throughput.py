@@ -4,7 +4,7 @@ Same prepared samples, same length-bucketed batches, same model and dtype, three
   prefill   - the decoder forward alone (no hooks, nothing copied back)
   capture   - forward + hooks + bf16 cast + copy to host (what extract does before writing)
   extract   - the real stage end to end, writing the zarr store (per compressor; the default compressor with
-              extract.write_workers 2 and 4: shards compressing at once)
+              extract.write_workers 2, 4 and 8: writer processes encoding and writing each shard's chunks)
 Usage (GPU):  python scripts/bench/extract_throughput.py cache_dir=/tmp/epcache run_dir=/tmp/bench data.limit=null
 Prints a table last and writes bench_extract.json to $OUT (or the run dir).
 """
@@ -108,8 +108,8 @@ def main(overrides):
 
     load_model, shards = targets.load_model, extract._extract_shards
     targets.load_model, extract._extract_shards = timing("load_model", load_model), timing("shard_loop", shards)
-    # each compressor with one writer; then the default with 2 and 4 shards compressing at once (write_workers)
-    runs = [(c, 1) for c in ("none", "blosc_lz4", "blosc_zstd")] + [("blosc_lz4", 2), ("blosc_lz4", 4)]
+    # each compressor written by this process; then the default by 2, 4 and 8 writer processes (write_workers)
+    runs = [(c, 1) for c in ("none", "blosc_lz4", "blosc_zstd")] + [("blosc_lz4", w) for w in (2, 4, 8)]
     for comp, workers in runs:
         cfg.extract.compressor, cfg.extract.write_workers = comp, workers
         key = comp if workers == 1 else f"{comp}_w{workers}"
@@ -128,7 +128,7 @@ def main(overrides):
     print(f"\n{results['device']} {results['dtype']} | {n} tokens, {results['samples']} samples, "
           f"{results['batches']} batches (padding {results['padded_tokens'] / n - 1:.1%})")
     print(f"{'what':<22}{'seconds':>10}{'tokens/s':>14}{'store MB':>10}")
-    keys = ("none", "blosc_lz4", "blosc_zstd", "blosc_lz4_w2", "blosc_lz4_w4")
+    keys = ("none", "blosc_lz4", "blosc_zstd", "blosc_lz4_w2", "blosc_lz4_w4", "blosc_lz4_w8")
     for key in ("prefill", "capture_naive", "capture", *(f"extract_{k}" for k in keys)):
         size = results.get(f"store_{key.removeprefix('extract_')}_bytes")
         print(f"{key:<22}{results[key + '_s']:>10.2f}{n / results[key + '_s']:>14,.0f}"

@@ -78,13 +78,14 @@ def test_two_rank_capture_writes_the_store_one_process_writes(make_cfg, one_proc
 
 
 def test_shards_written_by_several_workers_at_once_equal_one_writers(make_cfg, one_process_store, cache_dir):
-    """extract.write_workers=3: up to 3 shards compress and commit in threads at once (issue #14); the store, its
-    manifest and the stage's fingerprint are byte for byte those of one writer."""
+    """extract.write_workers=3: 3 spawned processes encode and write every shard's chunks from shared memory (issue
+    #14); the store, its manifest and the stage's fingerprint are byte for byte those of one writer."""
     root, one = one_process_store
     three = _prepared_copy(make_cfg, root, "three_writers")
     r = subprocess.run(_cmd(three, cache_dir, 1, "extract.write_workers=3"), cwd=ROOT, env=ENV, capture_output=True,
                        text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
+    assert "extract: 3 writer processes" in r.stdout + r.stderr  # not this process alone (no /dev/shm fallback)
     assert _files(three / "features") == _files(one / "features")
     assert json.loads((three / "stages.json").read_text())["extract"]["fingerprint"] == \
         json.loads((one / "stages.json").read_text())["extract"]["fingerprint"]

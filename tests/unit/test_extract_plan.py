@@ -35,3 +35,19 @@ def test_batches_cover_each_sample_once_within_the_token_budget():
     for b in batches:
         assert len(b) <= 16 and (len(b) == 1 or len(b) * max(lengths[i] for i in b) <= 512)
         assert lengths[b[0]] == max(lengths[i] for i in b)
+
+
+def test_writer_processes_fall_back_to_this_process_where_dev_shm_cannot_hold_two_shards(monkeypatch, caplog):
+    """Containers often cap /dev/shm at 64 MB: extract.write_workers > 1 then writes from this process and says
+    why in the log (the shared buffers would die with SIGBUS, not with an error)."""
+    from types import SimpleNamespace
+
+    from pipeline.formats import shard_regions
+    from pipeline.stages import extract
+
+    ex = SimpleNamespace(write_workers=4, shard_tokens=262144)
+    monkeypatch.setattr(shard_regions, "shm_free_bytes", lambda: 64 * 2 ** 20)
+    with caplog.at_level("WARNING"):
+        assert extract._writer_processes(ex, (3 * 576, 576), fp8=False) is None
+    assert "extract.write_workers=4: /dev/shm has 0.1 GB free, two shards in flight need 2.4 GB" in caplog.text
+    assert extract._writer_processes(SimpleNamespace(write_workers=1, shard_tokens=8), (8, 4), False) is None

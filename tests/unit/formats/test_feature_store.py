@@ -9,18 +9,24 @@ from pipeline.formats import feature_store as fs
 FACTS = {"aux_layer_ids": [1, 2], "hidden_size": 4, "target_fingerprint": "abc"}
 
 
-def _write(root, lengths, compressor="blosc_zstd", seed=0, facts=FACTS):
+def _write(root, lengths, compressor="blosc_zstd", seed=0, facts=FACTS, pool=None):
     g = torch.Generator().manual_seed(seed)
     manifest = fs.open_for_writing(root, facts)
-    writer = fs.ShardWriter(root, fs.ShardSpec(0, 0, lengths), facts, (8, 4), chunk_tokens=3, compressor=compressor)
+    writer = fs.ShardWriter(root, fs.ShardSpec(0, 0, lengths), facts, (8, 4), chunk_tokens=3, compressor=compressor,
+                            shared=pool is not None)
     data = []
     for i, n in enumerate(lengths):
         s = dict(input_ids=np.arange(n) + i, loss_mask=np.arange(n) % 2,
                  aux_hidden=torch.randn(n, 8, generator=g).bfloat16(), last_hidden=torch.randn(n, 4, generator=g).bfloat16())
-        writer.write(i, **s)
+        if facts.get("store_dtype") == fs.FP8:
+            (a, sa), (b, sb) = fs.encode_fp8(s["aux_hidden"].float(), 2), fs.encode_fp8(s["last_hidden"].float(), 1)
+            writer.write(i, s["input_ids"], s["loss_mask"], a, b, (sa, sb))
+        else:
+            writer.write(i, **s)
         data.append(s)
-    writer.commit(manifest)
-    return data
+    segments = list(writer.shared.segments.values()) if writer.shared else []
+    writer.commit(manifest, pool)
+    return data, segments
 
 
 def test_every_bf16_bit_pattern_round_trips_exactly():
@@ -32,7 +38,7 @@ def test_every_bf16_bit_pattern_round_trips_exactly():
 
 @pytest.mark.parametrize("compressor", ["blosc_zstd", "blosc_lz4", "none"])
 def test_zarr_round_trip_is_bit_exact(tmp_path, compressor):
-    data = _write(tmp_path, [5, 1, 7], compressor)
+    data, _ = _write(tmp_path, [5, 1, 7], compressor)
     store = fs.FeatureStore(tmp_path)
     assert len(store) == 3 and store.sample_lengths().tolist() == [5, 1, 7]
     for i, s in enumerate(data):
@@ -44,7 +50,7 @@ def test_zarr_round_trip_is_bit_exact(tmp_path, compressor):
 
 
 def test_token_ranges_cover_the_store_in_order(tmp_path):
-    data = _write(tmp_path, [5, 1, 7])
+    data, _ = _write(tmp_path, [5, 1, 7])
     ranges = list(fs.FeatureStore(tmp_path).iter_token_ranges(4))
     assert [a for _, a, _ in ranges] == [0, 4, 8, 12]
     ids = torch.cat([r["input_ids"] for _, _, r in ranges]).tolist()
@@ -272,3 +278,46 @@ def test_threads_committing_shards_at_once_lose_no_manifest_entry_even_where_flo
     for t in threads:
         t.join()
     assert [s["name"] for s in real_read(tmp_path)["shards"]] == [e["name"] for e in entries]
+
+
+# ------------------------------------------------------------------------------- writer processes (#14)
+def _files(root):
+    return {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()
+            and p.name != fs.LOCK}
+
+
+@pytest.mark.parametrize("facts", [FACTS, FP8_FACTS], ids=["bf16", "fp8"])
+def test_a_shard_written_by_writer_processes_is_byte_for_byte_this_process_shard(tmp_path, facts):
+    """extract.write_workers > 1: the states live in shared memory and spawned processes encode and write
+    chunk-aligned token ranges of them. Every file (chunks, metadata, manifest) equals the one-process shard's, and
+    the shared memory is unlinked after the commit."""
+    import multiprocessing
+    import os
+    from concurrent.futures import ProcessPoolExecutor
+    from multiprocessing import shared_memory
+
+    lengths = [5, 1, 7, 30, 2, 11]  # 56 tokens, chunk 3: 19 chunks over 2 processes in up to 32 ranges
+    _write(tmp_path / "one", lengths, "blosc_lz4", facts=facts)
+    with ProcessPoolExecutor(2, mp_context=multiprocessing.get_context("spawn")) as pool:
+        pids = {f.result() for f in [pool.submit(fs.shard_regions.ready) for _ in range(4)]}
+        _, segments = _write(tmp_path / "procs", lengths, "blosc_lz4", facts=facts, pool=pool)
+    assert os.getpid() not in pids and segments
+    assert _files(tmp_path / "procs") == _files(tmp_path / "one")
+    for seg in segments:  # unlinked: attaching by name fails
+        with pytest.raises(FileNotFoundError):
+            shared_memory.SharedMemory(name=seg.name)
+
+
+def test_writer_regions_are_whole_chunks_that_cover_the_array_once():
+    for total, chunk, pieces in [(56, 3, 32), (56, 3, 2), (7, 512, 4), (1024, 512, 8), (1025, 512, 1)]:
+        r = fs.shard_regions.regions(total, chunk, pieces)
+        assert r[0][0] == 0 and r[-1][1] == total and len(r) <= pieces
+        assert all(a % chunk == 0 and b > a for a, b in r) and all(r[i][1] == r[i + 1][0] for i in range(len(r) - 1))
+
+
+def test_commit_with_a_pool_refuses_a_writer_without_shared_buffers(tmp_path):
+    manifest = fs.open_for_writing(tmp_path, FACTS)
+    w = fs.ShardWriter(tmp_path, fs.ShardSpec(0, 0, [1]), FACTS, (8, 4), chunk_tokens=3)
+    w.write(0, np.arange(1), np.ones(1), torch.zeros(1, 8).bfloat16(), torch.zeros(1, 4).bfloat16())
+    with pytest.raises(ValueError, match="shared=True"):
+        w.commit(manifest, pool=object())

@@ -1,0 +1,96 @@
+"""Benchmark (CPU): what one shard's commit costs, written by this process vs by writer processes (issue #14,
+item 1: extract end to end is bound by the writer on the H200, not by the capture).
+
+Synthetic bf16 states of a target's width (normal values: compress like real ones within a few %), one shard of
+--tokens tokens, laid out as extract lays it (ShardWriter), committed to --root: by this process (write_workers=1),
+then by P spawned writer processes from shared memory (extract.write_workers=P). Median of --reps commits each.
+Usage:  python scripts/bench/shard_commit.py --hidden 576 --aux 3 --tokens 131072 --procs 1 2 4 --root /tmp/sc
+Writes shard_commit.json to $OUT (or the current folder) and prints a table.
+"""
+
+import argparse
+import json
+import multiprocessing
+import os
+import shutil
+import socket
+import statistics
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor
+from datetime import datetime, timezone
+from pathlib import Path
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+from pipeline.formats import feature_store as fs  # noqa: E402
+
+FACTS = {"aux_layer_ids": [1, 2, 3], "hidden_size": 0, "target_fingerprint": "bench"}
+
+
+def one(root: Path, a, pool, aux: torch.Tensor, last: torch.Tensor) -> float:
+    shutil.rmtree(root, ignore_errors=True)
+    manifest = fs.open_for_writing(root, {**FACTS, "hidden_size": a.hidden})
+    lengths = [a.sample_tokens] * (a.tokens // a.sample_tokens)
+    w = fs.ShardWriter(root, fs.ShardSpec(0, 0, lengths), FACTS, (a.aux * a.hidden, a.hidden), a.chunk_tokens,
+                       a.compressor, shared=pool is not None)
+    ids, mask = np.zeros(a.sample_tokens, np.int32), np.ones(a.sample_tokens, np.uint8)
+    for i in range(len(lengths)):
+        s = slice(i * a.sample_tokens, (i + 1) * a.sample_tokens)
+        w.write(i, ids, mask, aux[s], last[s])
+    t = time.perf_counter()
+    w.commit(manifest, pool)
+    return time.perf_counter() - t
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--hidden", type=int, default=576)
+    ap.add_argument("--aux", type=int, default=3)
+    ap.add_argument("--tokens", type=int, default=131072)
+    ap.add_argument("--sample-tokens", type=int, default=512)
+    ap.add_argument("--chunk-tokens", type=int, default=512)
+    ap.add_argument("--compressor", default="blosc_lz4")
+    ap.add_argument("--procs", type=int, nargs="+", default=[1, 2])
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--root", default="/tmp/shard_commit")
+    a = ap.parse_args()
+    torch.manual_seed(0)
+    aux = torch.randn(a.tokens, a.aux * a.hidden).bfloat16()
+    last = torch.randn(a.tokens, a.hidden).bfloat16()
+    root = Path(a.root)
+    rows = []
+    for p in a.procs:
+        pool = None
+        if p > 1:
+            pool = ProcessPoolExecutor(p, mp_context=multiprocessing.get_context("spawn"))
+            [f.result() for f in [pool.submit(fs.shard_regions.ready) for _ in range(p)]]  # started, not timed
+        try:
+            times = [one(root, a, pool, aux, last) for _ in range(a.reps)]
+        finally:
+            if pool is not None:
+                pool.shutdown()
+        size = sum(f.stat().st_size for f in (root / fs.shard_name(0)).rglob("*") if f.is_file())
+        dt = statistics.median(times)
+        rows.append({"write_workers": p, "commit_s": dt, "commit_s_all": times, "tokens_per_s": a.tokens / dt,
+                     "shard_bytes": size, "mb_per_s": size / dt / 1e6})
+        print(json.dumps(rows[-1]), flush=True)
+    shutil.rmtree(root, ignore_errors=True)
+    res = {"bench": "shard_commit", "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+           "host": socket.gethostname(), "cpus": os.cpu_count(), "torch": torch.__version__,
+           "command": "python scripts/bench/shard_commit.py " + " ".join(sys.argv[1:]), "root": str(root),
+           "shape": {"hidden": a.hidden, "aux": a.aux, "tokens": a.tokens, "chunk_tokens": a.chunk_tokens,
+                     "compressor": a.compressor}, "rows": rows}
+    out = Path(os.environ.get("OUT") or ".")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "shard_commit.json").write_text(json.dumps(res, indent=1))
+    print(f"{'write_workers':>13} {'commit s':>9} {'tokens/s':>10} {'MB/s':>7}")
+    for r in rows:
+        print(f"{r['write_workers']:>13} {r['commit_s']:>9.2f} {r['tokens_per_s']:>10,.0f} {r['mb_per_s']:>7.0f}")
+
+
+if __name__ == "__main__":
+    main()
