@@ -72,6 +72,8 @@ def check(cfg) -> None:
                         f"{t.tokens_per_pack}) (or null: a quarter of it)")
     if not t.lr > 0:
         problems.append(f"train.lr={t.lr} must be > 0")
+    if len(t.adam_betas) != 2 or not all(0 <= b < 1 for b in t.adam_betas):
+        problems.append(f"train.adam_betas={list(t.adam_betas)} must be two values in [0, 1) (beta1, beta2)")
     if t.loss_chunk_tokens is not None and t.loss_chunk_tokens < 1:
         problems.append(f"train.loss_chunk_tokens={t.loss_chunk_tokens} must be >= 1 (or null: speculators' eager loss)")
     if t.eval_tau_every_steps is not None and t.eval_tau_every_steps < 1:
@@ -104,7 +106,8 @@ def _shaping(t, leave_out: tuple[str, ...]) -> dict:
     if data.get("pad_packs") is None:  # null: padded on CUDA only; the same loss either way (tests hold it), so it
         data["pad_packs"] = False      # hashes as the earlier default and no finished run is retrained for it
     for key, default in (("draft_arch", "llama"), ("strategy", "ddp"), ("features", "offline"),
-                         ("eval_tau_every_steps", None), ("select", "last"), ("loss_chunk_tokens", 2048)):  # knobs added later, at their defaults
+                         ("eval_tau_every_steps", None), ("select", "last"), ("loss_chunk_tokens", 2048),
+                         ("adam_betas", [0.9, 0.95])):  # knobs added later, at their defaults
         if key in data and data[key] == default:
             data.pop(key)
     return data
@@ -247,7 +250,7 @@ def _setup(cfg) -> tuple[Session, Plan]:
                             "or use train.strategy=ddp")
         model = fsdp.shard(model, accelerator.device)  # before the optimizer: it holds the sharded parameters
     trainable = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(trainable, lr=t.lr, weight_decay=t.weight_decay, betas=(0.9, 0.95))
+    optimizer = torch.optim.AdamW(trainable, lr=t.lr, weight_decay=t.weight_decay, betas=tuple(t.adam_betas))
     scheduler = get_scheduler(t.schedule, optimizer, num_warmup_steps=t.warmup_steps,
                               num_training_steps=plan.total_steps)
     # The scheduler is NOT prepared: accelerate's wrapper steps it once per rank per optimizer step (it assumes the

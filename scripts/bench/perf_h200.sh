@@ -3,6 +3,7 @@
 # training MFU and peak memory of the 8B-shape draft, our loop vs speculators' Trainer (fixed-shape packs), and
 # the batched vs serial offline evaluate. After .gpu/install.sh (both parts), from the repo root:
 #   bash scripts/bench/perf_h200.sh start ; bash scripts/bench/perf_h200.sh wait SECONDS   (repeat wait until done)
+#   (`start2`: the second plan, below: measured after the first ran on 2026-12-02)
 # Results: $OUT/*.json (each bench's own JSON) and perf.log.
 set -u
 G=${PLAN_DIR:-/tmp/perf}; mkdir -p $G/out
@@ -34,6 +35,31 @@ case "$1" in
     mkdir -p $G/out/specpad; BENCH_SPEC_PAD=1 BENCH_ONLY=speculators OUT=$G/out/specpad \
       python3 scripts/bench/train_vs_speculators.py $A > $G/tb_specpad.log 2>&1; tail -4 $G/tb_specpad.log
     step done; touch $G/done;;
+  plan2)
+    # Second plan (after 2026-12-02c's run of `plan`): what binds extract (its writer: one process's zarr writes,
+    # or the disk), the writer processes, the 8B-shape MFU rows lost to the flex crash, and our loop with
+    # speculators' AdamW betas (the 1.6-point acc_0 gap) timed from its first step to its last.
+    step "disk and /dev/shm"; df -h /tmp /dev/shm | tail -2
+    dd if=/dev/zero of=/tmp/ddtest bs=16M count=256 oflag=direct 2>&1 | tail -1; rm -f /tmp/ddtest
+    step "shard commit: this process vs writer processes, SmolLM2 width"
+    for r in /tmp/sc /dev/shm/sc; do
+      mkdir -p $G/out/sc_$(basename $(dirname $r)); OUT=$G/out/sc_$(basename $(dirname $r)) python3 scripts/bench/shard_commit.py \
+        --tokens 262144 --procs 1 2 4 8 --root $r 2>&1 | tail -5
+    done
+    step "extract SmolLM2 (w2/w4/w8 = writer processes)"
+    mkdir -p $G/out/smol2; OUT=$G/out/smol2 python3 scripts/bench/extract_throughput.py $S run_dir=$G/xs data.limit=1500 \
+      extract.batch_tokens=65536 extract.max_batch_size=256 > $G/xs2.log 2>&1; tail -14 $G/xs2.log
+    step "train ours, speculators' AdamW betas"
+    A="$S cache_dir=/tmp/epcache run_dir=$G/tb data.limit=1500 train.max_steps=200 train.tokens_per_pack=8192 \
+       extract.batch_tokens=65536 extract.max_batch_size=256 train.num_workers=4 train.pad_packs=true"
+    mkdir -p $G/out/betas; BENCH_ONLY=ours OUT=$G/out/betas python3 scripts/bench/train_vs_speculators.py $A \
+      train.adam_betas=[0.9,0.999] > $G/tb_betas.log 2>&1; tail -5 $G/tb_betas.log
+    step "train MFU, 8B-shape draft"
+    OUT=$G/out python3 scripts/bench/train_mfu.py --target llama3_8b --tokens 8192 16384 --ttt 7 --steps 8 --attn sdpa simple_flex_attention > $G/mfu.log 2>&1
+    tail -6 $G/mfu.log
+    step done; touch $G/done;;
+  start2)
+    rm -f $G/done; setsid bash "$0" plan2 > $G/perf.log 2>&1 < /dev/null & echo "plan pgid $!";;
   start)
     rm -f $G/done; setsid bash "$0" plan > $G/perf.log 2>&1 < /dev/null & echo "plan pgid $!";;
   wait)
@@ -43,5 +69,9 @@ case "$1" in
       cp $G/out/*.json $OUT/ 2>/dev/null; cp $G/out/smol/bench_extract.json $OUT/extract_smol.json 2>/dev/null
       cp $G/out/l8b/bench_extract.json $OUT/extract_l8b.json 2>/dev/null; cp $G/perf.log $OUT/ 2>/dev/null
       cp $G/out/specpad/bench_train_speculators.json $OUT/bench_train_speculators_padded.json 2>/dev/null
+      cp $G/out/smol2/bench_extract.json $OUT/extract_smol_procs.json 2>/dev/null
+      cp $G/out/betas/bench_train_ours.json $OUT/bench_train_ours_betas0999.json 2>/dev/null
+      cp $G/out/sc_tmp/shard_commit.json $OUT/shard_commit_tmp.json 2>/dev/null
+      cp $G/out/sc_shm/shard_commit.json $OUT/shard_commit_shm.json 2>/dev/null; cp $G/*.log $OUT/ 2>/dev/null
     fi; true;;
 esac

@@ -13,6 +13,8 @@ from pipeline.errors import UserError
     (train, ["train.save_every_steps=0", "train.val_every_steps=0"],
      r"train.val_every_steps=0 must be >= 1; train.save_every_steps=0 must be >= 1"),  # B8: ZeroDivisionError
     (train, ["train.lr=-1"], r"train.lr=-1.0 must be > 0"),  # B9: torch's ValueError
+    (train, ["train.adam_betas=[0.9,1.5]"], r"train.adam_betas=\[0.9, 1.5\] must be two values in \[0, 1\)"),
+    (train, ["train.adam_betas=[0.9]"], r"train.adam_betas=\[0.9\] must be two values"),
     (evaluate, ["eval.max_draft=0"], r"eval.max_draft=0 must be >= 1"),  # B11: an empty tau table
     (evaluate, ["eval.num_prompts=0"], r"eval.num_prompts=0 must be >= 1"),  # B12: evaluated 1 prompt
     (export, ["export.serve.num_steps=0", "export.serve.topk=-1"],
