@@ -120,6 +120,7 @@ def main() -> None:
     name = "loader_read" + ("" if a.store_dtype == "bf16" else "_fp8")
     out = Path(os.environ["OUT"]) / f"{name}.json" if os.environ.get("OUT") else \
         ROOT / "scripts" / "bench" / "results" / f"{name}_cpu.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(res, indent=1))
     print(f"-> {out}")
 

@@ -146,17 +146,18 @@ def test_all_zero_chunks_are_written_so_a_missing_one_is_detectable(tmp_path):
     writer.write(0, np.zeros(6), np.zeros(6), torch.zeros(6, 8).bfloat16(), torch.randn(6, 4, generator=g).bfloat16())
     writer.commit(manifest)
     assert fs.verify_store(tmp_path) == []
-    assert (tmp_path / "shard-00000.zarr/loss_mask/c/1").is_file()
+    assert (tmp_path / "shard-00000.zarr/aux_hidden/c/1/0").is_file()  # states: chunk_tokens
+    assert (tmp_path / "shard-00000.zarr/loss_mask/c/0").is_file()  # 1-D arrays: fs.ID_CHUNK_TOKENS
 
 
 def test_verify_store_lists_every_bad_chunk_and_passes_a_good_store(tmp_path):
     _write(tmp_path, [5, 1, 7])
     assert fs.verify_store(tmp_path) == []
     _flip(tmp_path / "shard-00000.zarr/aux_hidden/c/3/0")
-    path = tmp_path / "shard-00000.zarr/input_ids/c/2"
+    path = tmp_path / "shard-00000.zarr/input_ids/c/0"  # 1-D arrays: one chunk of up to fs.ID_CHUNK_TOKENS
     path.write_bytes(path.read_bytes()[:3])
     bad = {(b["array"], b["chunk"]) for b in fs.verify_store(tmp_path)}
-    assert bad == {("aux_hidden", 3), ("input_ids", 2)}
+    assert bad == {("aux_hidden", 3), ("input_ids", 0)}
 
 
 def test_the_manifest_records_the_checksum_scheme(tmp_path):
