@@ -46,6 +46,11 @@ case "$1" in
       mkdir -p $G/out/sc_$(basename $(dirname $r)); OUT=$G/out/sc_$(basename $(dirname $r)) python3 scripts/bench/shard_commit.py \
         --tokens 262144 --procs 1 2 4 8 --root $r 2>&1 | tail -5
     done
+    step "shard commit: zarr's concurrency, then longer chunks (what one chunk file costs), this process, /tmp"
+    mkdir -p $G/out/sc_conc; OUT=$G/out/sc_conc python3 scripts/bench/shard_commit.py --tokens 262144 --procs 1 \
+      --concurrency 10 32 128 --root /tmp/sc 2>&1 | tail -4
+    for c in 2048 8192; do mkdir -p $G/out/sc_c$c; OUT=$G/out/sc_c$c python3 scripts/bench/shard_commit.py --tokens 262144 \
+      --procs 1 --chunk-tokens $c --root /tmp/sc 2>&1 | tail -1; done
     step "extract SmolLM2 (w2/w4/w8 = writer processes)"
     mkdir -p $G/out/smol2; OUT=$G/out/smol2 python3 scripts/bench/extract_throughput.py $S run_dir=$G/xs data.limit=1500 \
       extract.batch_tokens=65536 extract.max_batch_size=256 > $G/xs2.log 2>&1; tail -14 $G/xs2.log
@@ -73,5 +78,6 @@ case "$1" in
       cp $G/out/betas/bench_train_ours.json $OUT/bench_train_ours_betas0999.json 2>/dev/null
       cp $G/out/sc_tmp/shard_commit.json $OUT/shard_commit_tmp.json 2>/dev/null
       cp $G/out/sc_shm/shard_commit.json $OUT/shard_commit_shm.json 2>/dev/null; cp $G/*.log $OUT/ 2>/dev/null
+      for d in sc_conc sc_c2048 sc_c8192; do cp $G/out/$d/shard_commit.json $OUT/shard_commit_${d#sc_}.json 2>/dev/null; done
     fi; true;;
 esac

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import zarr
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
@@ -57,13 +58,16 @@ def main() -> None:
     ap.add_argument("--procs", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--root", default="/tmp/shard_commit")
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[None],
+                    help="zarr's async.concurrency (chunks in flight in one process; zarr's default 10)")
     a = ap.parse_args()
     torch.manual_seed(0)
     aux = torch.randn(a.tokens, a.aux * a.hidden).bfloat16()
     last = torch.randn(a.tokens, a.hidden).bfloat16()
     root = Path(a.root)
     rows = []
-    for p in a.procs:
+    for p, conc in [(p, c) for p in a.procs for c in a.concurrency]:
+        zarr.config.set({"async.concurrency": conc or 10})
         pool = None
         if p > 1:
             pool = ProcessPoolExecutor(p, mp_context=multiprocessing.get_context("spawn"))
@@ -75,7 +79,7 @@ def main() -> None:
                 pool.shutdown()
         size = sum(f.stat().st_size for f in (root / fs.shard_name(0)).rglob("*") if f.is_file())
         dt = statistics.median(times)
-        rows.append({"write_workers": p, "commit_s": dt, "commit_s_all": times, "tokens_per_s": a.tokens / dt,
+        rows.append({"write_workers": p, "zarr_concurrency": conc or 10, "chunk_tokens": a.chunk_tokens, "commit_s": dt, "commit_s_all": times, "tokens_per_s": a.tokens / dt,
                      "shard_bytes": size, "mb_per_s": size / dt / 1e6})
         print(json.dumps(rows[-1]), flush=True)
     shutil.rmtree(root, ignore_errors=True)
@@ -87,9 +91,10 @@ def main() -> None:
     out = Path(os.environ.get("OUT") or ".")
     out.mkdir(parents=True, exist_ok=True)
     (out / "shard_commit.json").write_text(json.dumps(res, indent=1))
-    print(f"{'write_workers':>13} {'commit s':>9} {'tokens/s':>10} {'MB/s':>7}")
+    print(f"{'write_workers':>13} {'concurrency':>11} {'chunk':>6} {'commit s':>9} {'tokens/s':>10} {'MB/s':>7}")
     for r in rows:
-        print(f"{r['write_workers']:>13} {r['commit_s']:>9.2f} {r['tokens_per_s']:>10,.0f} {r['mb_per_s']:>7.0f}")
+        print(f"{r['write_workers']:>13} {r['zarr_concurrency']:>11} {r['chunk_tokens']:>6} {r['commit_s']:>9.2f} "
+              f"{r['tokens_per_s']:>10,.0f} {r['mb_per_s']:>7.0f}")
 
 
 if __name__ == "__main__":
