@@ -92,18 +92,18 @@ print(max(r, key=r.get))")
     echo "=== done $(date +%T)"; touch $G/done;;
   recipe2)
     # Third plan (next session, #17): the online table first, then the data lever. (1) +experiment=gpu_smollm2 as it
-    # now is (the pack4k recipe) on the 2,000 conversations; as soon as its export exists, SGLang serves it beside a
-    # no-speculation server: accept length and speedup per prompt set (eval/sets_online.json); then the offline
-    # evaluate. (2) Meanwhile, all 4,017 usable chitchat conversations (data.limit=null, 10,221 turns
-    # regenerated) with the measured levers combined (4K packs, TTT loss weights 0.8^i, lr 1e-3), tau probed every
-    # half epoch, evaluated offline on heldout / MT-bench / HumanEval.
+    # now is (the pack4k recipe) on the 2,000 conversations, alone on the GPU; as soon as its export exists, SGLang
+    # serves it beside a no-speculation server: accept length and speedup per prompt set (eval/sets_online.json);
+    # then the offline evaluate. (2) Then, beside that evaluate, all 4,017 usable chitchat conversations
+    # (data.limit=null, 10,221 turns regenerated) with the measured levers combined (4K packs, TTT loss weights
+    # 0.8^i, lr 1e-3), tau probed every half epoch, evaluated offline on heldout / MT-bench / HumanEval.
     S4="eval.sets=[heldout,mt_bench,humaneval]"
     V[best]="$S4"
     V[alldata]="$S4 data.limit=null train.ttt_step_loss_decay=0.8 train.lr=1e-3 train.eval_tau_every_steps=156"
     A="$A train.num_workers=4"
-    (st alldata prepare && st alldata extract && st alldata vocab && st alldata train && st alldata export \
-      && st alldata evaluate) &
-    st best prepare && st best extract && st best vocab && st best train && st best export || { wait; touch $G/done; exit 1; }
+    # best alone on the GPU until it is served (its training time and the servers' speedups are its own); the
+    # all-data run starts when the servers are down, beside best's offline evaluate, and may not finish in a session
+    st best prepare && st best extract && st best vocab && st best train && st best export || { touch $G/done; exit 1; }
     echo "=== sglang: serving best $(date +%T)"  # first: the online table is what this plan is for
     rm -rf $G/sgl  # another plan's prompts and case records must not be taken for this one's
     if [ -f /tmp/sgl-site/.done ]; then
@@ -111,7 +111,11 @@ print(max(r, key=r.get))")
         --overrides "$A ${V[best]} eval.sets=[heldout,mt_bench,mt_bench_turn2,humaneval] train.wandb.mode=disabled \
         export.serve.sglang_args=[--attention-backend,triton]" --eval-conc 16 baseline good stop-baseline 2>&1 | tail -3
     else echo "no SGLang bundle in /tmp/sgl-site: not served"; fi
+    (st alldata prepare && st alldata extract && st alldata vocab && st alldata train && st alldata export \
+      && st alldata evaluate) &
     st best evaluate  # offline, after the online one: two evaluates in one run dir would race on stages.json
+    BENCH_NAME=acceptance_recipe2 python3 scripts/bench/online_fp8_recipe_report.py $G $G/online_fp8_recipe_h200.json \
+      "bash scripts/bench/online_fp8_recipe.sh start-recipe2 ($A) [best done]" > /dev/null
     wait
     BENCH_NAME=acceptance_recipe2 python3 scripts/bench/online_fp8_recipe_report.py $G $G/online_fp8_recipe_h200.json \
       "bash scripts/bench/online_fp8_recipe.sh start-recipe2 ($A)"
