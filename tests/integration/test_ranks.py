@@ -8,7 +8,8 @@ FSDP (train.strategy=fsdp: FSDP2 full shard, DCP checkpoints) trains to DDP's we
 One store (tiny); every run is its own process on its own run dir with that store copied in:
   A: 2 ranks, grad_accum 1    C: 1 rank, grad_accum 2     (uninterrupted, checkpoints every 2 steps)
   B: A's step-4 checkpoint resumed on 1 rank, grad_accum 2    D: C's step-4 checkpoint resumed on 2 ranks
-  E: as A under FSDP          F: E's step-4 checkpoint resumed under FSDP."""
+  E: as A under FSDP          F: E's step-4 checkpoint resumed under FSDP
+  H: 2 ranks x grad_accum 2 under FSDP    I: H's step-4 checkpoint resumed on 4 ranks under FSDP (DCP reshards)."""
 
 import json
 import shutil
@@ -69,7 +70,11 @@ def runs(make_cfg, tmp_path_factory, cache_dir):
     logs["E"] = _train(e, cache_dir, 2, 1, "train.strategy=fsdp")
     f = _copy_inputs(e, root / "F", "step_000004")
     logs["F"] = _train(f, cache_dir, 2, 1, "train.strategy=fsdp")
-    return {"A": a, "B": b, "C": c, "D": d, "E": e, "F": f, "store": store, "logs": logs}
+    h = _copy_inputs(store, root / "H")
+    logs["H"] = _train(h, cache_dir, 2, 2, "train.strategy=fsdp")
+    i = _copy_inputs(h, root / "I", "step_000004")
+    logs["I"] = _train(i, cache_dir, 4, 1, "train.strategy=fsdp")
+    return {"A": a, "B": b, "C": c, "D": d, "E": e, "F": f, "H": h, "I": i, "store": store, "logs": logs}
 
 
 def test_accelerate_launch_cpu_with_two_processes_trains_on_two_ranks(runs):
@@ -106,6 +111,15 @@ def test_an_fsdp_checkpoint_resumes_exactly(runs):
     log = runs["logs"]["F"].stdout + runs["logs"]["F"].stderr
     assert "train: resumed from" in log and "step_000004 (step 4" in log, log[-2000:]
     assert _close(_final(runs["F"]), _final(runs["E"])) == 0.0
+
+
+def test_an_fsdp_checkpoint_resumes_on_twice_the_ranks_at_the_same_weights(runs):
+    """A preempted cluster job comes back on another node count: the sharded (DCP) checkpoint of 2 ranks x 2
+    accumulation steps resumes on 4 ranks x 1 over the packs not yet trained, to the uninterrupted weights."""
+    log = runs["logs"]["I"].stdout + runs["logs"]["I"].stderr
+    assert "train: resumed from" in log and "on 4 rank(s) (it was written by 2)" in log, log[-2000:]
+    assert "FSDP2, every parameter sharded over 4 ranks" in log, log[-2000:]
+    assert _close(_final(runs["I"]), _final(runs["H"])) <= 1e-5
 
 
 def test_fsdp_on_one_rank_and_a_ddp_checkpoint_under_fsdp_are_refused_in_one_line(runs, make_cfg, tmp_path,
