@@ -59,6 +59,7 @@ class TargetConfig:
 
 class DataFormat(str, Enum):
     chitchat = "chitchat"
+    chatterbot = "chatterbot"
     sharegpt = "sharegpt"
     messages = "messages"
     hf = "hf"
@@ -79,6 +80,9 @@ class DataConfig:
     seed: int = 0
     shuffle: bool = True
     on_error: OnError = OnError.skip
+    # embedded sources (chitchat, chatterbot) whose conversations join this one's before the shuffle and the limit,
+    # e.g. data=chitchat data.extra_sources=[chatterbot] data.limit=null: every usable chat of both wheels
+    extra_sources: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -131,11 +135,13 @@ class ExtractConfig:
     # A shard closes when the next sample would exceed this: the host buffer per shard (x 2: one commits while the
     # next computes), 1.2 GB for SmolLM2, 15 GB for Kimi-K2.5.
     shard_tokens: int = 262144
-    # > 1: processes that encode and write every shard's chunks from shared memory (/dev/shm); 1: this process
+    # > 1: processes that encode and write every shard's chunks from shared memory (/dev/shm: 2 shards per rank of
+    # the node); 1: this process
     # (docs/feature_store.md, writing protocol 5). Raise it where the writer, not the capture, binds
     # (scripts/bench/extract_throughput.py measures both). Not in extract's fingerprint: the bytes are the same
     write_workers: int = 1
-    # zarr chunk length along tokens. A loader reading a ~450-token sample decodes every chunk it touches: 512
+    # zarr chunk length along tokens of the 2-D arrays (the 1-D input_ids / loss_mask: at least 16,384 tokens,
+    # feature_store.ID_CHUNK_TOKENS). A loader reading a ~450-token sample decodes every chunk it touches: 512
     # reads 1.6x faster per worker than 2048 for +0.05% bytes and 4x the chunk files (docs/feature_store.md,
     # "Chunk length"); raise it where the filesystem dislikes many small files. Not in extract's fingerprint
     chunk_tokens: int = 512

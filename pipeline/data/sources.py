@@ -1,4 +1,5 @@
-"""Conversation sources: chitchat (embedded), sharegpt, messages (OpenAI style), hf (datasets folder/parquet).
+"""Conversation sources: chitchat and chatterbot (embedded: PyPI wheels), sharegpt, messages (OpenAI style), hf
+(datasets folder/parquet). `data.extra_sources` adds embedded sources to the configured one.
 
 Every source yields {"source_id": str, "messages": [{"role": user|assistant|system, "content": str}]}.
 Bad records are counted per reason (`on_error=skip`, the first line numbers are logged) or stop the run
@@ -55,12 +56,13 @@ def _enum(v) -> str:
 def load_conversations(data) -> tuple[list[dict], Problems]:
     """All valid conversations of the configured source, after split, shuffle and limit."""
     fmt = _enum(data.format)
-    problems = Problems(_enum(data.on_error), data.path or fmt)
+    extras = list(getattr(data, "extra_sources", None) or [])
+    problems = Problems(_enum(data.on_error), " + ".join([data.path or fmt, *extras]))
     if fmt != "hf" and not re.fullmatch(r"train(\[.*\])?", data.split.strip()):
         raise UserError(f"data.split={data.split!r}: a {fmt} source has one split, train; take part of it with "
                         "e.g. train[:90%] or train[100:200]")
-    if fmt == "chitchat":
-        raw = [(c["source_id"], c) for c in chitchat_conversations(data.path)]
+    if fmt in EMBEDDED:
+        raw = [(c["source_id"], c) for c in EMBEDDED[fmt](data.path)]
     elif fmt in ("sharegpt", "messages"):
         if Path(_need_path(data)).is_dir():
             raise UserError(f"data.path {data.path} is a directory; data={fmt} reads one .json or .jsonl file "
@@ -70,6 +72,11 @@ def load_conversations(data) -> tuple[list[dict], Problems]:
         raw = list(_hf_records(Path(_need_path(data)), data.split))
     else:
         raise UserError(f"unknown data.format {fmt!r}")
+    for extra in extras:
+        if extra not in EMBEDDED or extra == fmt:
+            raise UserError(f"data.extra_sources: {extra!r} is not an embedded source other than data={fmt} "
+                            f"(embedded: {', '.join(sorted(EMBEDDED))})")
+        raw += [(c["source_id"], c) for c in EMBEDDED[extra](None)]
     convs = []
     for where, record in raw:
         conv = normalise(record, where, problems)
@@ -119,6 +126,28 @@ def chitchat_conversations(path: Optional[str], limit: Optional[int] = None) -> 
             else:
                 turns.append({"role": role, "content": text})
         yield {"source_id": f"chitchat:{conv_id}", "messages": turns}
+
+
+def chatterbot_conversations(path: Optional[str]) -> Iterator[dict]:
+    """chatterbot-corpus (PyPI, BSD-3-Clause): YAML files of conversations, each a list of utterances that
+    alternate, the first one the user's. `path`: a folder of *.yml; None = the English corpus inside the wheel.
+    Every scalar is read as the text it is (YAML's BaseLoader: `- Yes` stays "Yes", not True)."""
+    import yaml
+
+    if path is None:
+        spec = importlib.util.find_spec("chatterbot_corpus")
+        if spec is None:
+            raise UserError("data=chatterbot needs chatterbot-corpus==1.3.3 (make setup installs it)")
+        path = str(Path(spec.submodule_search_locations[0]) / "data" / "english")
+    for f in sorted(Path(path).glob("*.yml")):
+        doc = yaml.load(f.read_text(encoding="utf-8"), Loader=yaml.BaseLoader) or {}
+        for i, conv in enumerate(doc.get("conversations") or []):
+            texts = [t.strip() for t in conv if isinstance(t, str)] if isinstance(conv, list) else []
+            yield {"source_id": f"chatterbot:{f.stem}:{i}",
+                   "messages": [{"role": "user" if j % 2 == 0 else "assistant", "content": t} for j, t in enumerate(texts)]}
+
+
+EMBEDDED = {"chitchat": chitchat_conversations, "chatterbot": chatterbot_conversations}
 
 
 def _json_records(path: Path, problems: Problems) -> Iterator[tuple[str, dict]]:

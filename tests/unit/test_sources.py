@@ -126,3 +126,31 @@ def test_a_json_array_in_a_jsonl_file_is_one_clear_error_not_a_skip_per_line(tmp
 def test_data_path_that_is_a_directory_is_a_user_error(tmp_path):
     with pytest.raises(UserError, match="is a directory; data=sharegpt reads one .json or .jsonl file"):
         load_conversations(data_cfg(tmp_path))
+
+
+def test_embedded_chatterbot_loads_the_english_corpus_and_counts_what_it_cannot_use():
+    convs, problems = load_conversations(data_cfg(None, "chatterbot"))
+    assert len(convs) == 2025 and problems.counts == {"empty conversation": 1}  # trivia 13: a string, not a list
+    first = next(c for c in convs if c["source_id"] == "chatterbot:conversations:0")
+    assert first["messages"][:2] == [{"role": "user", "content": "Good morning, how are you?"},
+                                     {"role": "assistant", "content": "I am doing well, how about you?"}]
+
+
+def test_chatterbot_utterances_stay_the_text_they_are(tmp_path):
+    """YAML 1.1 reads `Yes` as True and `042` as 34; the corpus's utterances are text."""
+    from pipeline.data.sources import chatterbot_conversations
+
+    (tmp_path / "t.yml").write_text("categories: [t]\nconversations:\n- - Yes\n  - '042'\n  - 042\n  - off\n")
+    (conv,) = chatterbot_conversations(str(tmp_path))
+    assert [m["content"] for m in conv["messages"]] == ["Yes", "042", "042", "off"]
+    assert [m["role"] for m in conv["messages"]] == ["user", "assistant", "user", "assistant"]
+
+
+def test_extra_sources_join_the_configured_one_before_the_limit():
+    chit, _ = load_conversations(data_cfg(None, "chitchat"))
+    both, problems = load_conversations(data_cfg(None, "chitchat", extra_sources=["chatterbot"]))
+    assert len(both) == len(chit) + 2025
+    assert {c["source_id"].split(":")[0] for c in both} == {"chitchat", "chatterbot"}
+    assert problems.counts == {"no assistant turn": 3151, "empty conversation": 1}
+    with pytest.raises(UserError, match="data.extra_sources: 'sharegpt' is not an embedded source"):
+        load_conversations(data_cfg(None, "chitchat", extra_sources=["sharegpt"]))

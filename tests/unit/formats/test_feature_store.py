@@ -299,10 +299,20 @@ def test_a_shard_written_by_writer_processes_is_byte_for_byte_this_process_shard
 
     lengths = [5, 1, 7, 30, 2, 11]  # 56 tokens, chunk 3: 19 chunks over 2 processes in up to 32 ranges
     _write(tmp_path / "one", lengths, "blosc_lz4", facts=facts)
+    class Counted:  # the pool as commit sees it, counting the ranges handed to the writer processes
+        def __init__(self, pool):
+            self.pool, self.ranges = pool, 0
+
+        def submit(self, fn, *args):
+            self.ranges += fn is fs.shard_regions.write_region
+            return self.pool.submit(fn, *args)
+
     with ProcessPoolExecutor(2, mp_context=multiprocessing.get_context("spawn")) as pool:
         pids = {f.result() for f in [pool.submit(fs.shard_regions.ready) for _ in range(4)]}
-        _, segments = _write(tmp_path / "procs", lengths, "blosc_lz4", facts=facts, pool=pool)
+        counted = Counted(pool)
+        _, segments = _write(tmp_path / "procs", lengths, "blosc_lz4", facts=facts, pool=counted)
     assert os.getpid() not in pids and segments
+    assert counted.ranges == 2 * 19  # aux and last: 19 chunks of 3 tokens each, one range per chunk (<= 32)
     assert _files(tmp_path / "procs") == _files(tmp_path / "one")
     for seg in segments:  # unlinked: attaching by name fails
         with pytest.raises(FileNotFoundError):
@@ -322,3 +332,56 @@ def test_commit_with_a_pool_refuses_a_writer_without_shared_buffers(tmp_path):
     w.write(0, np.arange(1), np.ones(1), torch.zeros(1, 8).bfloat16(), torch.zeros(1, 4).bfloat16())
     with pytest.raises(ValueError, match="shared=True"):
         w.commit(manifest, pool=object())
+
+
+def test_an_uncommitted_shared_writer_discards_its_shared_memory(tmp_path):
+    """A shard that fails while it fills (capture error, the previous commit failing) must not leave up to 15 GB
+    in /dev/shm until the process ends: discard() unlinks it."""
+    from multiprocessing import shared_memory
+
+    w = fs.ShardWriter(tmp_path, fs.ShardSpec(0, 0, [4]), FACTS, (8, 4), chunk_tokens=3, shared=True)
+    names = [seg.name for seg in w.shared.segments.values()]
+    w.write(0, np.arange(4), np.ones(4), torch.zeros(4, 8).bfloat16(), torch.zeros(4, 4).bfloat16())
+    w.discard()
+    assert names and w.buffers == {}
+    for name in names:
+        with pytest.raises(FileNotFoundError):
+            shared_memory.SharedMemory(name=name)
+
+
+def test_writer_processes_exit_when_their_extract_is_killed(tmp_path):
+    """SIGKILL on extract must not leave its writer processes behind (they would hold the resource tracker, and
+    with it every shared segment, alive): each one watches its parent (shard_regions.watch_parent)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    script = tmp_path / "extract_like.py"
+    script.write_text(
+        "import multiprocessing, os, sys, time\n"
+        "from concurrent.futures import ProcessPoolExecutor\n"
+        "from pipeline.formats import shard_regions\n"
+        "def pid():\n"
+        "    time.sleep(1.0)\n"
+        "    return os.getpid()\n"
+        "if __name__ == '__main__':\n"
+        "    pool = ProcessPoolExecutor(2, mp_context=multiprocessing.get_context('spawn'),\n"
+        "                               initializer=shard_regions.watch_parent)\n"
+        "    pids = {f.result() for f in [pool.submit(pid) for _ in range(2)]}\n"
+        "    print(' '.join(map(str, pids)), flush=True)\n"
+        "    time.sleep(600)\n")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": root})
+    workers = [int(p) for p in proc.stdout.readline().split()]
+    assert len(workers) == 2
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    deadline = time.time() + 10
+    alive = workers
+    while alive and time.time() < deadline:
+        time.sleep(0.2)
+        alive = [p for p in workers if os.path.exists(f"/proc/{p}") and "Z" not in open(f"/proc/{p}/stat").read().split()[2]]
+    assert not alive, f"writer processes {alive} outlived their killed parent"
