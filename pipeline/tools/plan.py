@@ -54,8 +54,10 @@ def compute(cfg) -> dict:
     beside = {}
     if features.online(cfg):  # the target in extract's dtype, auto = bf16 on GPU
         beside[ONLINE_TARGET] = (4 if cfg.extract.dtype in ("fp32", "float32") else 2) * target_params
-    # the probe's target is fp32 on eval.device: auto = the GPU a planned run trains on
-    if cfg.train.eval_tau_every_steps and cfg.eval.device != "cpu":
+    # the probe's target is fp32 on eval.device: auto = the device a planned run trains on (plan.precision bf16: a
+    # GPU, where it counts; fp32: the CPU, whose memory this plan does not model)
+    on_gpu = cfg.eval.device not in ("cpu", "auto") or (cfg.eval.device == "auto" and p.precision == "bf16")
+    if cfg.train.eval_tau_every_steps and on_gpu:
         beside[PROBE_TARGET] = 4 * target_params
     est = memory.estimate(shape, params, p.world_size, strategy, bf16=p.precision == "bf16",
                           loss_chunk=cfg.train.loss_chunk_tokens, beside=beside)

@@ -80,6 +80,8 @@ def test_plan_counts_the_targets_weights_that_online_features_and_the_tau_probe_
     assert online["parts"][plan.ONLINE_TARGET] == 2 * n and online["peak"] == off["peak"] + 2 * n
     assert probe["parts"][plan.PROBE_TARGET] == 4 * n and probe["peak"] == off["peak"] + 4 * n
     assert plan.PROBE_TARGET not in probe_cpu["parts"] and probe_cpu["peak"] == off["peak"]
+    cpu_plan = plan.compute(make_cfg(*base, "train.eval_tau_every_steps=100", "plan.precision=fp32"))  # eval.device=auto
+    assert plan.PROBE_TARGET not in cpu_plan["parts"]  # auto follows the planned run: on the CPU, not in GPU memory
     kimi = plan.compute(make_cfg("target=kimi_k25", "train.tokens_per_pack=8192", "plan.world_size=8",
                                  "train.strategy=fsdp", "train.features=online"))
     assert kimi["target_parameters"] == 1_040_000_000_000 and not kimi["fits"]
