@@ -281,8 +281,9 @@ class EvalConfig:
     max_new_tokens: int = 32
     max_draft: int = 5  # draft lengths 1..max_draft
     device: str = "auto"  # the target and the draft run in fp32 here, on this device
-    # prompts decoded together by the offline bench (pipeline/acceptance/batched.py); 1 = one at a time through
-    # the serial reference (offline.speculate, transformers' generate). Results are the same either way.
+    # prompts decoded together by the offline bench (pipeline/acceptance/batched.py), each once per draft length
+    # in the same pass: batch_size x max_draft rows of KV cache (fp32) at once; 1 = one at a time through the
+    # serial reference (offline.speculate, transformers' generate). Results are the same either way.
     batch_size: int = 16
     # Online bench instead of the offline one: a running SGLang/vLLM server serving this draft
     endpoint: Optional[str] = None  # e.g. http://localhost:30000

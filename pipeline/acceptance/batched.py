@@ -116,10 +116,16 @@ def greedy(model, capture: Capture, prompts: list[list[int]], max_new: int, eos)
 
 
 @torch.no_grad()
-def speculate(model, capture: Capture, dr, prompts: list[list[int]], max_new: int, k: int, eos):
-    """Greedy chain speculative decoding of B prompts at once. Returns, per prompt, (generated ids, accepted
-    proposals per round): what offline.speculate returns for that prompt alone."""
+def speculate(model, capture: Capture, dr, prompts: list[list[int]], max_new: int, k, eos):
+    """Greedy chain speculative decoding of B prompts at once. `k`: the draft length, one for every row or one per
+    row (a list): rows of several draft lengths share every forward, a shorter row's extra proposals and verify
+    slots masked out. Returns, per prompt, (generated ids, accepted proposals per round): what offline.speculate
+    returns for that prompt alone at its k."""
     B, dev = len(prompts), model.device
+    ks = torch.tensor([k] * B if isinstance(k, int) else list(k), device=dev)
+    if ks.numel() != B or int(ks.min()) < 1:
+        raise ValueError(f"speculate: draft lengths {ks.tolist()} for {B} prompts")
+    k = int(ks.max())
     target, ids, valid, aux, nxt = _prefill(model, capture, prompts)
     rows = torch.arange(B, device=dev)
     draft = DraftRows(dr, B)
@@ -130,6 +136,7 @@ def speculate(model, capture: Capture, dr, prompts: list[list[int]], max_new: in
     generated, rounds, active = [[] for _ in prompts], [[] for _ in prompts], [True] * B
     _take([[t] for t in nxt.tolist()], generated, active, max_new, eos)
     steps = torch.arange(k + 1, device=dev)
+    own = steps[None] <= ks[:, None]  # [B, k + 1]: nxt and the row's own k proposals (a shorter row: the rest masked)
     while any(active):
         h = draft.extend(tok, hid, ctx_valid)
         props, ck, cv = [dr.next_target_ids(h)], [], []
@@ -137,9 +144,9 @@ def speculate(model, capture: Capture, dr, prompts: list[list[int]], max_new: in
             h = draft.chain(props[-1], h, j, ck, cv)
             props.append(dr.next_target_ids(h))
         props = torch.stack(props, 1)  # [B, k]
-        logits, aux = target.forward(torch.cat([nxt[:, None], props], 1), torch.ones(B, k + 1, dtype=torch.bool, device=dev))
+        logits, aux = target.forward(torch.cat([nxt[:, None], props], 1), own)
         verify = logits.argmax(-1)  # [B, k + 1]
-        a = (verify[:, :k] == props).long().cumprod(1).sum(1)  # accepted proposals per row
+        a = ((verify[:, :k] == props) & own[:, 1:]).long().cumprod(1).sum(1)  # accepted proposals per row (<= its k)
         ctx_valid = steps[None] <= a[:, None]  # nxt and the accepted proposals; rejected slots masked for good
         target.keep(ctx_valid)
         tok = torch.where(steps[None] < a[:, None], torch.cat([props, props[:, :1]], 1), verify)
@@ -154,12 +161,23 @@ def speculate(model, capture: Capture, dr, prompts: list[list[int]], max_new: in
     return [(g[:max_new], r) for g, r in zip(generated, rounds)]
 
 
-def tau_by_k(model, capture: Capture, dr, prompts: list[list[int]], max_new: int, ks, eos, batch_size: int) -> dict:
-    """{k: tau} of draft `dr` over the prompts, batch_size at a time: tokens per target forward, pooled over
-    every round of every prompt (what evaluate reports; train logs it during training)."""
-    chunks = [prompts[i: i + batch_size] for i in range(0, len(prompts), batch_size)]
-    out = {}
-    for k in ks:
-        rounds = [r for c in chunks for _, rs in speculate(model, capture, dr, c, max_new, k, eos) for r in rs]
-        out[k] = sum(r + 1 for r in rounds) / max(len(rounds), 1)
+def by_k(model, capture: Capture, dr, prompts: list[list[int]], max_new: int, ks, eos, batch_size: int) -> dict:
+    """{k: [(generated ids, accepted per round) per prompt]} for every draft length in `ks`: batch_size prompts
+    at a time, each of them once per k in the same batch (batch_size x len(ks) rows share every forward: the
+    forwards are launch-bound, so the draft lengths cost little more than one)."""
+    ks = list(ks)
+    out = {k: [] for k in ks}
+    for i in range(0, len(prompts), batch_size):
+        chunk = prompts[i: i + batch_size]
+        rows = speculate(model, capture, dr, [p for _ in ks for p in chunk], max_new, [k for k in ks for _ in chunk], eos)
+        for j, k in enumerate(ks):
+            out[k] += rows[j * len(chunk): (j + 1) * len(chunk)]
     return out
+
+
+def tau_by_k(model, capture: Capture, dr, prompts: list[list[int]], max_new: int, ks, eos, batch_size: int) -> dict:
+    """{k: tau} of draft `dr` over the prompts: tokens per target forward, pooled over every round of every prompt
+    (what evaluate reports; train logs it during training)."""
+    runs = by_k(model, capture, dr, prompts, max_new, ks, eos, batch_size)
+    rounds = {k: [r for _, rs in rows for r in rs] for k, rows in runs.items()}
+    return {k: sum(r + 1 for r in rs) / max(len(rs), 1) for k, rs in rounds.items()}

@@ -281,12 +281,15 @@ def measure(cfg, store, prompts: list[list[int]], out: Path) -> Path:
         greedy_refs = [model.generate(torch.tensor([p], device=device), max_new_tokens=e.max_new_tokens,
                                       do_sample=False, eos_token_id=eos, pad_token_id=tok.pad_token_id)[0, len(p):].tolist()
                        for p in prompts]
+    ks = list(range(1, e.max_draft + 1))
     for name, dr in (("trained", trained), ("untrained", untrained)):
         report[name] = {}
-        for k in range(1, e.max_draft + 1):
-            runs = ([r for c in chunks for r in batched.speculate(model, capture, dr, c, e.max_new_tokens, k, eos)]
-                    if e.batch_size > 1 else
-                    [speculate(model, capture, dr, p, e.max_new_tokens, k, eos) for p in prompts])
+        # batched: every k of a chunk in one pass (eval.batch_size prompts x max_draft rows)
+        all_runs = batched.by_k(model, capture, dr, prompts, e.max_new_tokens, ks, eos, e.batch_size) \
+            if e.batch_size > 1 else None
+        for k in ks:
+            runs = all_runs[k] if all_runs is not None else \
+                [speculate(model, capture, dr, p, e.max_new_tokens, k, eos) for p in prompts]
             per_prompt, pooled_rounds, mismatches = [], [], 0
             for (gen, rounds), greedy in zip(runs, greedy_refs):
                 mismatches += gen != greedy

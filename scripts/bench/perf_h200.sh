@@ -62,6 +62,8 @@ case "$1" in
     step "train MFU, 8B-shape draft"
     OUT=$G/out python3 scripts/bench/train_mfu.py --target llama3_8b --tokens 8192 16384 --ttt 7 --steps 8 --attn sdpa simple_flex_attention > $G/mfu.log 2>&1
     tail -6 $G/mfu.log
+    step "evaluate: serial vs batched, one k per pass and every k in one pass (its own short chain, ~6 min)"
+    bash scripts/bench/evaluate_batched.sh plan > $G/evb.log 2>&1; tail -12 $G/evb.log
     step done; touch $G/done;;
   start2)
     rm -f $G/done; setsid bash "$0" plan2 > $G/perf.log 2>&1 < /dev/null & echo "plan pgid $!";;
@@ -79,5 +81,6 @@ case "$1" in
       cp $G/out/sc_tmp/shard_commit.json $OUT/shard_commit_tmp.json 2>/dev/null
       cp $G/out/sc_shm/shard_commit.json $OUT/shard_commit_shm.json 2>/dev/null; cp $G/*.log $OUT/ 2>/dev/null
       for d in sc_conc sc_c2048 sc_c8192; do cp $G/out/$d/shard_commit.json $OUT/shard_commit_${d#sc_}.json 2>/dev/null; done
+      cp /tmp/evb/*.json /tmp/evb/*.txt $OUT/ 2>/dev/null
     fi; true;;
 esac

@@ -68,10 +68,18 @@ def test_batched_speculation_is_the_serial_reference_row_by_row(evaluated):
     generate = [model.generate(torch.tensor([p]), max_new_tokens=n, do_sample=False, eos_token_id=eos,
                                pad_token_id=tok.pad_token_id)[0, len(p):].tolist() for p in prompts]
     assert batched.greedy(model, capture, prompts, n, eos) == generate
-    accepted = 0
-    for k in (1, 3):
+    accepted, serial = 0, {}
+    for k in (1, 2, 3):
         rows = batched.speculate(model, capture, dr, prompts, n, k, eos)
-        for p, (gen, rounds), ref in zip(prompts, rows, generate):
-            assert (gen, rounds) == offline.speculate(model, capture, dr, p, n, k, eos) and gen == ref
+        for i, (p, (gen, rounds), ref) in enumerate(zip(prompts, rows, generate)):
+            serial[i, k] = offline.speculate(model, capture, dr, p, n, k, eos)
+            assert (gen, rounds) == serial[i, k] and gen == ref
             accepted += sum(rounds)
     assert accepted > 0
+    # several draft lengths in one batch (evaluate runs every k of a chunk at once): each row is still the serial
+    # reference at its own k; a shorter row's extra proposals and verify slots change nothing
+    ks = [1, 3, 2, 3, 1, 2, 2, 1, 3, 1, 2, 3]
+    rows = batched.speculate(model, capture, dr, prompts + prompts, n, ks, eos)
+    assert [row for row in rows] == [serial[i % 6, k] for i, k in enumerate(ks)]
+    assert {k: [r for _, rs in v for r in rs] for k, v in batched.by_k(model, capture, dr, prompts, n, [1, 3], eos, 4).items()} \
+        == {k: [r for i in range(6) for r in serial[i, k][1]] for k in (1, 3)}
