@@ -114,11 +114,16 @@ print(max(r, key=r.get))")
         --overrides "$A ${V[best]} eval.sets=[heldout,mt_bench,mt_bench_turn2,humaneval] train.wandb.mode=disabled \
         export.serve.sglang_args=[--attention-backend,triton]" --eval-conc 16 baseline good stop-baseline 2>&1 | tail -3
     else echo "no SGLang bundle in /tmp/sgl-site: not served"; fi
-    (st alldata prepare && st alldata extract && st alldata vocab && st alldata train && st alldata export \
-      && st alldata evaluate) &
     st best evaluate  # offline, after the online one: two evaluates in one run dir would race on stages.json
     BENCH_NAME=acceptance_recipe2 python3 scripts/bench/online_fp8_recipe_report.py $G $G/online_fp8_recipe_h200.json \
       "bash scripts/bench/online_fp8_recipe.sh start-recipe2 ($A) [best done]" > /dev/null
+    # then #14's last figures, each alone on the GPU (perf_h200.sh plan3: MFU, evaluate on best's export, betas);
+    # the all-data run last: it may not finish in a session
+    echo "=== perf_h200.sh plan3 $(date +%T)"
+    mkdir -p /tmp/perf; EVB_ARGS="$A ${V[best]} run_dir=$G/best" bash scripts/bench/perf_h200.sh plan3 > /tmp/perf/perf.log 2>&1
+    tail -30 /tmp/perf/perf.log
+    (st alldata prepare && st alldata extract && st alldata vocab && st alldata train && st alldata export \
+      && st alldata evaluate) &
     wait
     BENCH_NAME=acceptance_recipe2 python3 scripts/bench/online_fp8_recipe_report.py $G $G/online_fp8_recipe_h200.json \
       "bash scripts/bench/online_fp8_recipe.sh start-recipe2 ($A)"
@@ -140,5 +145,6 @@ print(max(r, key=r.get))")
       cp $G/online_fp8_recipe_h200.json $OUT/; for v in prof_bf16 prof_fp8; do cp $G/$v/train_profile.txt $OUT/$v.txt; done 2>/dev/null
       tar czf $OUT/runs.tgz -C $G logs $(cd $G && ls -d */train/metrics.jsonl */stages.json */eval/*.json */eval/*/*.json \
         */train/final/train_summary.json sgl/*.json sgl/*evaluate*.log 2>/dev/null) 2>/dev/null
+      bash scripts/bench/perf_h200.sh wait 0 > /dev/null  # plan3's figures (MFU, evaluate, betas), where it ran
     fi; true;;
 esac

@@ -65,6 +65,22 @@ case "$1" in
     step "evaluate: serial vs batched, one k per pass and every k in one pass (its own short chain, ~6 min)"
     bash scripts/bench/evaluate_batched.sh plan > $G/evb.log 2>&1; tail -12 $G/evb.log
     step done; touch $G/done;;
+  plan3)
+    # Third plan, run by online_fp8_recipe.sh recipe2 after its SGLang step (2026-12-02d), each part alone on the GPU:
+    # the 8B-shape MFU rows, the batched evaluate (one k per pass vs every k in one pass) on that plan's export
+    # (EVB_ARGS: its overrides and run_dir), and our loop with speculators' AdamW betas.
+    step "train MFU, 8B-shape draft"
+    OUT=$G/out python3 scripts/bench/train_mfu.py --target llama3_8b --tokens 8192 16384 --ttt 7 --steps 8 --attn sdpa simple_flex_attention > $G/mfu.log 2>&1
+    tail -6 $G/mfu.log
+    step "evaluate: serial vs batched on the recipe's export (32 held-out prompts x 64 tokens, k = 1..5)"
+    mkdir -p /tmp/evb; OUT=/tmp/evb python3 scripts/bench/evaluate_batched.py $EVB_ARGS eval.num_prompts=32 \
+      eval.max_new_tokens=64 eval.max_draft=5 eval.batch_size=32 > $G/evb.log 2>&1; grep -v Loading $G/evb.log | tail -9
+    step "train ours, speculators' AdamW betas"
+    A="$S cache_dir=/tmp/epcache run_dir=$G/tb data.limit=1500 train.max_steps=200 train.tokens_per_pack=8192 \
+       extract.batch_tokens=65536 extract.max_batch_size=256 train.num_workers=4 train.pad_packs=true"
+    mkdir -p $G/out/betas; BENCH_ONLY=ours OUT=$G/out/betas python3 scripts/bench/train_vs_speculators.py $A \
+      train.adam_betas=[0.9,0.999] > $G/tb_betas.log 2>&1; tail -5 $G/tb_betas.log
+    step done; touch $G/done;;
   start2)
     rm -f $G/done; setsid bash "$0" plan2 > $G/perf.log 2>&1 < /dev/null & echo "plan pgid $!";;
   start)
