@@ -8,7 +8,7 @@ features are random, made on the GPU (no target, no store: this measures the ste
 FLOPs are counted by torch itself (torch.utils.flop_counter.FlopCounterMode over one whole step run eagerly: every
 TTT step's forward and backward, the attention as the kernels compute it, masked positions included); MFU = counted
 FLOPs per second / the GPU's dense bf16 peak (--peak-tflops, 989 for an H100/H200 SXM).
-Usage:  python scripts/bench/train_mfu.py --target llama3_8b --tokens 8192 16384 --ttt 7 --steps 10
+Usage:  python scripts/bench/train_mfu.py --target llama3_8b --tokens 8192 16384 --ttt 7 --steps 10 [--profile]
 Writes train_mfu.json to $OUT (or the current folder) and prints a table.
 """
 
@@ -65,7 +65,8 @@ def count_flops(s: memory.DraftShape, vocab: int, chunk, device, attn: str) -> i
     return counter.get_total_flops()
 
 
-def one(s: memory.DraftShape, vocab: int, steps: int, warmup: int, chunk, device, attn: str = "sdpa") -> dict:
+def one(s: memory.DraftShape, vocab: int, steps: int, warmup: int, chunk, device, attn: str = "sdpa",
+        profile: bool = False) -> dict:
     torch._dynamo.reset()  # each row compiles its own static shapes (no graph made dynamic by the row before)
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -87,11 +88,54 @@ def one(s: memory.DraftShape, vocab: int, steps: int, warmup: int, chunk, device
     sync()
     dt = (time.perf_counter() - t0) / steps
     est = memory.estimate(s, memory.draft_params(model), loss_chunk=chunk)
+    prof = profile_steps(step, sync, device) if profile else None
     return {"attn": attn, "tokens": s.tokens, "ttt_steps": s.ttt_steps, "draft_vocab": s.draft_vocab, "target_vocab": vocab,
             "trainable_params": sum(p.numel() for p in trainable), "flops_per_step": flops, "flops_counted_with": flops_attn,
             "step_s": dt, "tokens_per_s": s.tokens / dt, "tflops_per_s": flops / dt / 1e12,
             "peak_allocated_gib": torch.cuda.max_memory_allocated(device) / 2 ** 30 if device.type == "cuda" else None,
-            "estimate_gib": round(est["peak"] / 2 ** 30, 2)}
+            "estimate_gib": round(est["peak"] / 2 ** 30, 2), **({"profile": prof} if prof else {})}
+
+
+KINDS = (("attention", ("flash", "fmha", "attention", "flex")),   # before gemm: fmha_cutlass* is attention
+         ("gemm", ("gemm", "gemv", "cutlass", "xmma", "nvjet", "matmul", "triton_tem_fused_mm", "triton_tem_fused_addmm",
+                   "triton_tem_fused_bmm")),
+         ("attention", ("triton_tem_fused",)),                        # inductor's other template: flex attention
+         ("loss_softmax", ("softmax", "kl_div", "logsumexp", "cross_entropy")),
+         ("optimizer", ("adam", "foreach", "multi_tensor")))
+
+
+def kind_of(name: str) -> str:
+    n = name.lower()
+    return next((k for k, keys in KINDS if any(x in n for x in keys)), "other")
+
+
+def profile_steps(step, sync, device, n: int = 2) -> dict:
+    """What binds the step: `n` steps under torch.profiler (after the timed ones). The device's busy time (union
+    of kernel intervals) over the wall, and the device time by kind of kernel (matmuls, attention, loss, optimizer,
+    the rest: elementwise, norms, copies) with the heaviest kernels by name."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from train_profile import _busy_us
+    if device.type != "cuda":
+        return {}
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        for _ in range(n):
+            step()
+        sync()
+        wall = time.perf_counter() - t0
+    kern = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    by_kind, by_name = {}, {}
+    for e in kern:
+        us = e.time_range.end - e.time_range.start
+        by_kind[kind_of(e.name)] = by_kind.get(kind_of(e.name), 0.0) + us
+        by_name[e.name] = by_name.get(e.name, 0.0) + us
+    total = sum(by_kind.values()) or 1.0
+    busy = _busy_us(prof.events()) / 1e6
+    top = sorted(by_name.items(), key=lambda x: -x[1])[:12]
+    return {"steps": n, "wall_s": round(wall, 4), "gpu_busy_s": round(busy, 4), "gpu_busy_fraction": round(busy / wall, 3),
+            "kernels": len(kern), "device_time_fraction_by_kind": {k: round(v / total, 3) for k, v in sorted(by_kind.items())},
+            "top_kernels": [{"name": k[:120], "fraction": round(v / total, 3), "kind": kind_of(k)} for k, v in top]}
 
 
 def write(a, device, rows) -> None:
@@ -116,6 +160,8 @@ def main() -> None:
     ap.add_argument("--attn", nargs="+", default=["sdpa"],
                     help="train.attn_implementation values to compare (sdpa: dense masks; simple_flex_attention: block masks)")
     ap.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak of the GPU")
+    ap.add_argument("--profile", action="store_true", help="profile 2 steps after the timed ones: GPU busy fraction, "
+                    "device time by kind of kernel (what binds the step)")
     a = ap.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     rows = []
@@ -123,7 +169,7 @@ def main() -> None:
         for T in a.tokens:
             s, vocab = shape_of(a.target, T, a.ttt, a.draft_vocab)
             try:
-                r = one(s, vocab, a.steps, a.warmup, a.loss_chunk or None, device, attn)
+                r = one(s, vocab, a.steps, a.warmup, a.loss_chunk or None, device, attn, a.profile)
             except torch.OutOfMemoryError as e:
                 r = {"attn": attn, "tokens": T, "ttt_steps": a.ttt, "error": f"out of memory: {str(e).splitlines()[0]}"}
             except Exception as e:  # noqa: BLE001 - a row that fails is recorded, the other rows still run
