@@ -141,6 +141,29 @@ def draft_params(model) -> DraftParams:
     return DraftParams(trainable, frozen, max(sizes), linear, max(trainable_sizes))
 
 
+def attention_pairs(document_ids: torch.Tensor, ttt_steps: int) -> list[int]:
+    """(query, key) pairs the draft's attention mask lets through at each TTT step, for one pack's document ids
+    (-1 = padding): a query attends causally within its document, and at step j also to its own position in each
+    of the j earlier steps' keys (speculators' create_combined_mask_mod, extended once per step)."""
+    ids = document_ids.flatten().tolist()
+    causal, run, prev = 0, 0, None
+    for d in ids:
+        run = run + 1 if d == prev else 1
+        prev = d
+        if d != -1:
+            causal += run
+    real = sum(d != -1 for d in ids)
+    return [causal + j * real for j in range(ttt_steps)]
+
+
+def attention_model_flops(document_ids: torch.Tensor, ttt_steps: int, heads: int, head_dim: int) -> int:
+    """Model FLOPs of the attention over all TTT steps, forward and backward: 12 per (query, key) pair the mask
+    lets through, per head and head dim (QK^T and PV forward, 2 each per multiply-add; their four gradients
+    backward). Masked pairs and the backward's recomputation of QK^T are not counted: the dense-mask sdpa computes
+    the first and FlexAttention skips most of them, and neither is the model's work (PaLM's MFU)."""
+    return 12 * heads * head_dim * sum(attention_pairs(document_ids, ttt_steps))
+
+
 def random_draft(s: DraftShape, vocab: int = 2048, device: str | torch.device = "cpu", seed: int = 0,
                  attn: str = "sdpa"):
     """speculators' real draft at shape `s` (random init, fp32 parameters on `device`) and one random pack of

@@ -20,7 +20,7 @@
 set -u
 G=${PLAN_DIR:-/tmp/g}; L=$G/logs; mkdir -p $L
 A=${PLAN_ARGS:-"+experiment=gpu_smollm2 target.path=/tmp/model/smol.gguf cache_dir=/tmp/epcache prepare.gen_batch_size=512 \
-train.pad_packs=true export.engines=[sglang] eval.sets=[heldout,mt_bench,mt_bench_turn2,humaneval] eval.num_prompts=80 eval.batch_size=40 ${DATA_ARGS:-}"}
+train.pad_packs=true export.engines=[sglang] export.serve.sglang_args=[--attention-backend,triton] eval.sets=[heldout,mt_bench,mt_bench_turn2,humaneval] eval.num_prompts=80 eval.batch_size=40 ${DATA_ARGS:-}"}
 # TTT 3 / 3 epochs / 8K packs: +experiment=gpu_smollm2's recipe until 2026-12-02 (now the pack4k one); pinned here
 T3="train.ttt_steps=3 train.epochs=3 train.tokens_per_pack=8192 train.eval_tau_every_steps=null train.select=last"
 declare -A V=([bf16]="" [fp8]="extract.store_dtype=fp8_e4m3" [online]="train.features=online"

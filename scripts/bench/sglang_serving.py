@@ -263,6 +263,10 @@ def main() -> None:
     store_manifest = run_dir / "features" / "manifest.json"
     spec_url, base_url = f"http://127.0.0.1:{SPEC_PORT}", f"http://127.0.0.1:{BASE_PORT}"
 
+    missing = missing_serve_args(good, ov)
+    if missing:  # 2026-12-02: an export made without the bundle's --attention-backend triton failed on FA3 mid-plan
+        sys.exit(f"sglang_serving: {good / 'serve.sh'} lacks {' '.join(missing)} that the overrides' "
+                 "export.serve.sglang_args ask for; run stage=export with the same overrides first")
     for case in a.cases:
         out = work / f"{case}{a.tag}.json"
         left = a.budget - (time.time() - t_start)
@@ -390,6 +394,23 @@ def main() -> None:
         print(f"{case}: started={info['started']} in {info['start_s']} s, accept length "
               f"{(rec.get('generate') or {}).get('accept_length')}", flush=True)
     _gather(work)
+
+
+def missing_serve_args(good: Path, ov: list[str]) -> list[str]:
+    """The export.serve.sglang_args of the overrides that the export's serve.sh (written at export time, from
+    the overrides the export stage ran with) does not carry: serving it would not be the server asked for."""
+    if not (good / "serve.sh").exists():
+        return []
+    from hydra import compose, initialize_config_dir
+
+    from pipeline.config import register
+
+    register()
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose("config", overrides=ov)
+    have = shlex.split((good / "serve.sh").read_text())
+    want = [str(x) for x in (cfg.export.serve.sglang_args or [])]
+    return [w for w in want if w not in have]
 
 
 def write_prompts(prompts_file: Path, ov: list[str], run_dir: Path) -> None:

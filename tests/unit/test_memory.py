@@ -6,6 +6,7 @@ setting). After the forward, the live bytes are the activations (+ autocast's ca
 the backward is bounded by activations + gradients (+ the cache)."""
 
 import pytest
+import torch
 
 from pipeline.models import memory
 
@@ -85,3 +86,22 @@ def test_plan_counts_the_targets_weights_that_online_features_and_the_tau_probe_
     kimi = plan.compute(make_cfg("target=kimi_k25", "train.tokens_per_pack=8192", "plan.world_size=8",
                                  "train.strategy=fsdp", "train.features=online"))
     assert kimi["target_parameters"] == 1_040_000_000_000 and not kimi["fits"]
+
+
+def test_attention_pairs_are_the_nonzeros_of_speculators_mask_at_every_ttt_step():
+    """The model-FLOPs count of the MFU bench: pairs per TTT step == the dense mask speculators builds (three
+    documents and padding), extended by one diagonal block per step as its forward does."""
+    from speculators.models.eagle3.attention import create_combined_mask_mod, extend_dense_mask_for_draft_tokens
+
+    doc = torch.tensor([0] * 5 + [1] * 9 + [2] * 3 + [-1] * 4)
+    T = doc.numel()
+    mod = create_combined_mask_mod(doc, T)
+    q, k = torch.arange(T)[:, None], torch.arange(T)[None, :]
+    mask = mod(torch.tensor(0), torch.tensor(0), q, k)[None, None]
+    got = memory.attention_pairs(doc, 4)
+    want = []
+    for _ in range(4):
+        want.append(int(mask[0, 0][doc != -1].sum()))  # padding's rows keep their diagonals: not the model's work
+        mask = extend_dense_mask_for_draft_tokens(mask, T)
+    assert got == want
+    assert memory.attention_model_flops(doc, 4, heads=2, head_dim=8) == 12 * 2 * 8 * sum(want)
