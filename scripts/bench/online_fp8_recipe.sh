@@ -16,7 +16,8 @@
 # `start-recipe` instead runs the second plan (its comment below): #16's fp8-vs-bf16 drafts and #17's recipe levers,
 # then the best export served by SGLang (measured 2026-12-02, but for the SGLang step: device time). `start-recipe2`:
 # the third plan, #17's online table first (SGLang needs .gpu-sgl/install.sh: start the plan after the project
-# bundle, then install the SGLang parts while it prepares), and all of chitchat with the levers combined. scripts/bench/online_fp8_recipe_report.py gathers every run dir into one JSON.
+# bundle, then install the SGLang parts while it prepares), and all of chitchat with the levers combined. `start-recipe3`:
+# the fourth plan (its comment below), what 2026-12-02d's recipe2 left: the online table, flex in stage train, betas. scripts/bench/online_fp8_recipe_report.py gathers every run dir into one JSON.
 set -u
 G=${PLAN_DIR:-/tmp/g}; L=$G/logs; mkdir -p $L
 A=${PLAN_ARGS:-"+experiment=gpu_smollm2 target.path=/tmp/model/smol.gguf cache_dir=/tmp/epcache prepare.gen_batch_size=512 \
@@ -128,6 +129,38 @@ print(max(r, key=r.get))")
     BENCH_NAME=acceptance_recipe2 python3 scripts/bench/online_fp8_recipe_report.py $G $G/online_fp8_recipe_h200.json \
       "bash scripts/bench/online_fp8_recipe.sh start-recipe2 ($A)"
     echo "=== done $(date +%T)"; touch $G/done;;
+  recipe3)
+    # Fourth plan (next session, #17 and #14), every job alone on the GPU: (1) +experiment=gpu_smollm2 prepare..export
+    # (exported with --attention-backend triton now: 2026-12-02d's server died on FA3 without it), served by SGLang
+    # beside a no-speculation server (eval/sets_online.json), then its offline evaluate; (2) what binds the 8B-shape
+    # FlexAttention step (train_mfu.py --profile); (3) on best's store, the same recipe with FlexAttention through
+    # stage train (is it the GPU default to be?) and with speculators' AdamW betas (0.9, 0.999: they closed the
+    # acc_0 gap at 133 steps), each ending in evaluate on heldout / MT-bench / HumanEval.
+    S4="eval.sets=[heldout,mt_bench,humaneval]"
+    V[best]="$S4"; V[flex]="$S4 train.attn_implementation=simple_flex_attention"; V[betas]="$S4 train.adam_betas=[0.9,0.999]"
+    A="$A train.num_workers=4"
+    echo acceptance_recipe3 > $G/bench_name; echo "bash scripts/bench/online_fp8_recipe.sh start-recipe3 ($A)" > $G/bench_cmd
+    st best prepare && st best extract && st best vocab && st best train && st best export || { touch $G/done; exit 1; }
+    echo "=== sglang: serving best $(date +%T)"
+    rm -rf $G/sgl
+    if [ -f /tmp/sgl-site/.done ]; then
+      python3 scripts/bench/sglang_serving.py --run-dir $G/best --work $G/sgl --budget 480 --case-s 60 --no-engine-check \
+        --overrides "$A ${V[best]} eval.sets=[heldout,mt_bench,mt_bench_turn2,humaneval] train.wandb.mode=disabled" \
+        --eval-conc 16 baseline good stop-baseline 2>&1 | tail -4
+    else echo "no SGLang bundle in /tmp/sgl-site: not served"; fi
+    st best evaluate
+    BENCH_NAME=acceptance_recipe3 python3 scripts/bench/online_fp8_recipe_report.py $G $G/online_fp8_recipe_h200.json \
+      "bash scripts/bench/online_fp8_recipe.sh start-recipe3 ($A) [best done]" > /dev/null
+    echo "=== train_mfu --profile $(date +%T)"
+    mkdir -p /tmp/perf/out; OUT=/tmp/perf/out python3 scripts/bench/train_mfu.py --target llama3_8b --tokens 8192 16384 --ttt 7 \
+      --steps 8 --attn simple_flex_attention --profile > /tmp/perf/mfu.log 2>&1; tail -3 /tmp/perf/mfu.log
+    for v in flex betas; do clone best $v; cp -r $G/best/features $G/$v/; done
+    for v in flex betas; do st $v train && st $v export && st $v evaluate; done
+    BENCH_NAME=acceptance_recipe3 python3 scripts/bench/online_fp8_recipe_report.py $G $G/online_fp8_recipe_h200.json \
+      "bash scripts/bench/online_fp8_recipe.sh start-recipe3 ($A)"
+    echo "=== done $(date +%T)"; touch $G/done;;
+  start-recipe3)
+    rm -f $G/done; setsid bash "$0" recipe3 > $G/plan.log 2>&1 < /dev/null & echo "plan pgid $!";;
   start-recipe2)
     rm -f $G/done; setsid bash "$0" recipe2 > $G/plan.log 2>&1 < /dev/null & echo "plan pgid $!";;
   start-recipe)
