@@ -23,6 +23,11 @@ from transformers import LlamaConfig
 from pipeline.errors import UserError
 from pipeline.formats import export_layouts as lay
 
+# train.attn_implementation: the draft layer's attention as speculators runs it. sdpa and eager take dense TTT
+# masks; simple_flex_attention (speculators' own default) takes block masks and skips the masked blocks: 1.8-2.8x
+# the step of an 8B-shaped draft on an H200 (docs/scale.md), GPU only (FlexAttention has no CPU backward)
+ATTENTION = ("sdpa", "eager", "simple_flex_attention")
+
 
 def layer_config(target_hf, attn: str, overrides: Optional[dict] = None, arch: str = "llama"):
     """The draft decoder layer's config, with the target's shapes."""

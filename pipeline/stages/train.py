@@ -84,6 +84,11 @@ def check(cfg) -> None:
         problems.append(problem)
     if not 0 <= t.val_fraction < 1:
         problems.append(f"train.val_fraction={t.val_fraction} must be in [0, 1)")
+    if t.attn_implementation not in draft.ATTENTION:
+        problems.append(f"train.attn_implementation={t.attn_implementation!r} is not one of {list(draft.ATTENTION)}")
+    elif "flex" in t.attn_implementation and (t.device == "cpu" or t.device == "auto" and not torch.cuda.is_available()):
+        problems.append(f"train.attn_implementation={t.attn_implementation} needs a GPU (FlexAttention has no CPU "
+                        "backward); train with sdpa here")
     if problems:
         raise UserError("; ".join(problems))
 

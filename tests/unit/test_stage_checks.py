@@ -15,6 +15,12 @@ from pipeline.errors import UserError
     (train, ["train.lr=-1"], r"train.lr=-1.0 must be > 0"),  # B9: torch's ValueError
     (train, ["train.adam_betas=[0.9,1.5]"], r"train.adam_betas=\[0.9, 1.5\] must be two values in \[0, 1\)"),
     (train, ["train.adam_betas=[0.9]"], r"train.adam_betas=\[0.9\] must be two values"),
+    # a typo reached transformers' attention registry inside speculators' forward, after the store was opened
+    (train, ["train.attn_implementation=flex"], r"train.attn_implementation='flex' is not one of \['sdpa', 'eager', "
+                                                r"'simple_flex_attention'\]"),
+    # FlexAttention on the CPU: NotImplementedError at the first backward, a traceback mid-stage
+    (train, ["train.attn_implementation=simple_flex_attention", "train.device=cpu"],
+     r"train.attn_implementation=simple_flex_attention needs a GPU \(FlexAttention has no CPU backward\)"),
     (evaluate, ["eval.max_draft=0"], r"eval.max_draft=0 must be >= 1"),  # B11: an empty tau table
     (evaluate, ["eval.num_prompts=0"], r"eval.num_prompts=0 must be >= 1"),  # B12: evaluated 1 prompt
     (export, ["export.serve.num_steps=0", "export.serve.topk=-1"],
