@@ -200,6 +200,21 @@ def speculate(model, capture: Capture, dr: ExportedDraft, prompt: list[int], max
     return generated[:max_new], rounds
 
 
+def teacher_forced(model, capture: Capture, dr: ExportedDraft, prompt: list[int], continuation: list[int]) -> torch.Tensor:
+    """Step-0 hits of the draft along the target's own continuation, teacher-forced as training's acc_0 is: at
+    each position t from the prompt's last token on, the draft reads the target's aux states of the sequence up to
+    t and token t+1, and hits when its proposal is token t+2. Returns a bool per continuation token after the first
+    ([len(continuation) - 1]). Speculation at k = 1 asks exactly these questions, but only at the positions where
+    rounds start (after an accepted proposal it skips the verifier's bonus token), so its first-position acceptance
+    is this accuracy at a sample of positions that leans toward where the draft failed."""
+    seq, P = prompt + continuation, len(prompt)
+    dev = model.device
+    model(input_ids=torch.tensor([seq], device=dev))
+    aux = capture.states()[0][0]
+    out = dr.layer(torch.tensor(seq[1:], device=dev), dr.fuse(aux[:-1]), torch.arange(1, len(seq), device=dev))
+    return dr.next_target_ids(out[P - 1: len(seq) - 2]) == torch.tensor(seq[P + 1:], device=dev)
+
+
 _HELD: dict = {}  # inside one_target(): {"on": True, "key": what was loaded, "target": the tuple _target returns}
 
 
@@ -302,6 +317,20 @@ def measure(cfg, store, prompts: list[list[int]], out: Path) -> Path:
                                     "target_forwards": len(pooled_rounds), "greedy_mismatches": mismatches}
             log.info("eval %s draft k=%d: tau %.3f, acceptance per position %s, greedy mismatches %d", name, k,
                      report[name][str(k)]["tau"], [round(x, 3) for x in accept], mismatches)
+        with torch.no_grad():
+            hits = torch.cat([teacher_forced(model, capture, dr, p, g).cpu() for p, g in zip(prompts, greedy_refs)
+                              if len(g) > 1] or [torch.zeros(0, dtype=torch.bool)])
+        tf = report.setdefault("teacher_forced_acc_0", {"tokens": len(hits)})
+        tf[name] = float(hits.float().mean()) if len(hits) else None
+    # step-0 accuracy along the target's greedy continuations, beside training's own (its last validation) and
+    # the first-position acceptance at k = 1: the same question asked at every position vs where rounds start
+    tf = report["teacher_forced_acc_0"]
+    tf.update(training_val_full_acc_0=_trained_val_acc0(cfg), accept_first_position_k1=report["trained"]["1"]["accept_per_position"][0])
+    if tf["trained"] is not None:
+        log.info("eval trained draft: step-0 accuracy teacher-forced along these continuations %.3f (training's last "
+                 "val full_acc_0 %s); first-position acceptance at k=1 %.3f (rounds start after the draft's misses)",
+                 tf["trained"], "n/a" if tf["training_val_full_acc_0"] is None else f"{tf['training_val_full_acc_0']:.3f}",
+                 tf["accept_first_position_k1"])
     _done(target)
     ks = report["draft_lengths"]
     lines = ["tau (tokens per target forward)  " + "".join(f"{'k=' + str(k):>8}" for k in ks)]
@@ -314,6 +343,15 @@ def measure(cfg, store, prompts: list[list[int]], out: Path) -> Path:
     _plot(report, out / "tau.png")
     return out
 
+
+
+def _trained_val_acc0(cfg):
+    """Training's last validation full_acc_0 (train/final/train_summary.json), or None where there is none."""
+    summary = RunDir.of(cfg).final / "train_summary.json"
+    try:
+        return float(json.loads(summary.read_text())["val_after"]["full_acc_0"])
+    except (OSError, KeyError, TypeError, ValueError):
+        return None
 
 
 def untrained_tensors(cfg, store, folder: Path) -> dict:

@@ -83,3 +83,45 @@ def test_batched_speculation_is_the_serial_reference_row_by_row(evaluated):
     assert [row for row in rows] == [serial[i % 6, k] for i, k in enumerate(ks)]
     assert {k: [r for _, rs in v for r in rs] for k, v in batched.by_k(model, capture, dr, prompts, n, [1, 3], eos, 4).items()} \
         == {k: [r for i in range(6) for r in serial[i, k][1]] for k in (1, 3)}
+
+
+def test_k1_speculation_asks_the_teacher_forced_questions_at_the_round_starts(evaluated):
+    """Step-0 accuracy teacher-forced along the target's continuation (what training's acc_0 measures) and the
+    first-position acceptance at k = 1 are one question at different positions: each k = 1 round's accept/reject
+    is the teacher-forced hit at the position where the round starts (the next round starts 2 tokens on after an
+    accept, 1 after a reject). acceptance.json reports both."""
+    import torch
+    from safetensors.torch import load_file
+
+    from pipeline.acceptance import offline
+    from pipeline.engines.hf_capture import Capture
+    from pipeline.models import targets
+    from pipeline.run_dir import RunDir
+    from pipeline.stages import evaluate
+
+    cfg, run_dir = evaluated
+    store = RunDir.of(cfg).open_features()
+    folder = Path(store.facts["target_path"])
+    tok = targets.load_tokenizer(folder, cfg.target)
+    model = targets.load_model(folder, cfg.target, "cpu", torch.float32, "sdpa")
+    capture = Capture(model, store.aux_layer_ids)
+    config = json.loads((run_dir / "export" / "sglang" / "config.json").read_text())
+    dr = offline.ExportedDraft(load_file(str(run_dir / "export" / "sglang" / "model.safetensors")), config,
+                               model.get_input_embeddings().weight.detach())
+    n, eos = cfg.eval.max_new_tokens, tok.eos_token_id
+    checked = hits_seen = 0
+    with torch.no_grad():
+        for p in evaluate.heldout_prompts(cfg, store, 6, cfg.eval.prompt_tokens):
+            gen, rounds = offline.speculate(model, capture, dr, p, n, 1, eos)
+            hits = offline.teacher_forced(model, capture, dr, p, gen)
+            j = 0
+            for a in rounds:
+                if j >= len(hits):
+                    break
+                assert bool(hits[j]) == (a == 1), (p, j)
+                checked, hits_seen, j = checked + 1, hits_seen + a, j + 1 + a
+    assert checked > 20 and 0 < hits_seen < checked  # both outcomes exercised
+    report = json.loads((run_dir / "eval" / "acceptance.json").read_text())
+    tf = report["teacher_forced_acc_0"]
+    assert 0 < tf["trained"] < 1 and tf["tokens"] > 0 and 0 < tf["training_val_full_acc_0"] < 1
+    assert tf["untrained"] < tf["trained"] and tf["accept_first_position_k1"] == report["trained"]["1"]["accept_per_position"][0]
