@@ -66,7 +66,8 @@ def _eval(run: Path) -> dict:
                           "tau_trained": {k: v["tau"] for k, v in a["trained"].items()},
                           "tau_untrained": {k: v["tau"] for k, v in a["untrained"].items()},
                           "accept_per_position": {k: v["accept_per_position"] for k, v in a["trained"].items()},
-                          "greedy_mismatches": sum(v["greedy_mismatches"] for v in a["trained"].values())}
+                          "greedy_mismatches": sum(v["greedy_mismatches"] for v in a["trained"].values()),
+                          "teacher_forced_acc_0": a.get("teacher_forced_acc_0")}
     return out
 
 
