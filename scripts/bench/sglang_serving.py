@@ -393,6 +393,8 @@ def main() -> None:
         _gather(work)
         print(f"{case}: started={info['started']} in {info['start_s']} s, accept length "
               f"{(rec.get('generate') or {}).get('accept_length')}", flush=True)
+        if not info["started"]:  # why, in the plan's own log (2026-12-02d: FA3 missing, seen only in good.json)
+            print("\n".join(f"  {line}" for line in rec["log_tail"][-3:]), flush=True)
     _gather(work)
 
 
