@@ -146,7 +146,7 @@ print(max(r, key=r.get))")
     if [ -f /tmp/sgl-site/.done ]; then
       python3 scripts/bench/sglang_serving.py --run-dir $G/best --work $G/sgl --budget 480 --case-s 60 --no-engine-check \
         --overrides "$A ${V[best]} eval.sets=[heldout,mt_bench,mt_bench_turn2,humaneval] train.wandb.mode=disabled" \
-        --eval-conc 16 baseline good stop-baseline 2>&1 | tail -4
+        --eval-conc 16 baseline good stop-baseline 2>&1 | tail -8
     else echo "no SGLang bundle in /tmp/sgl-site: not served"; fi
     st best evaluate
     BENCH_NAME=acceptance_recipe3 python3 scripts/bench/online_fp8_recipe_report.py $G $G/online_fp8_recipe_h200.json \
