@@ -135,7 +135,13 @@ def cpu_ranks_asked() -> int:
         args = [a.decode() for a in Path(f"/proc/{os.getppid()}/cmdline").read_bytes().split(b"\0")]
     except OSError:
         return 1
-    if "launch" not in args:
+    return num_processes_of_launch(args)
+
+
+def num_processes_of_launch(args: list[str]) -> int:
+    """--num_processes of an accelerate launcher's command line: `accelerate launch`, `accelerate-launch` or
+    `python -m accelerate.commands.launch` (what the GPU bench plans run); else 1."""
+    if not any(a in ("launch", "accelerate.commands.launch") or Path(a).name == "accelerate-launch" for a in args):
         return 1
     for i, a in enumerate(args):
         key, _, value = a.partition("=")

@@ -49,3 +49,15 @@ def test_a_schema_given_as_a_group_option_is_refused_with_the_real_options():
     assert line.startswith("target=base_target is the schema every target/*.yaml builds on, not a target: pick one of")
     assert "smollm2" in line and "tiny" in line
     assert schema_as_option(["target=tiny", "run_dir=base_run"]) is None
+
+
+def test_the_cpu_ranks_asked_are_read_from_every_form_of_accelerates_launcher():
+    """`accelerate launch --cpu` starts one process whatever --num_processes says; eaglepipe reads N from its
+    launcher's command line. `python -m accelerate.commands.launch` (the GPU plans' form) trained on 1 rank."""
+    from pipeline.__main__ import num_processes_of_launch
+
+    for head in (["/venv/bin/accelerate", "launch"], ["/venv/bin/accelerate-launch"],
+                 ["/venv/bin/python3", "-m", "accelerate.commands.launch"]):
+        assert num_processes_of_launch([*head, "--cpu", "--num_processes", "2", "-m", "pipeline"]) == 2
+        assert num_processes_of_launch([*head, "--cpu", "--num_processes=4", "-m", "pipeline"]) == 4
+    assert num_processes_of_launch(["/venv/bin/python3", "-m", "pipeline", "--num_processes", "2"]) == 1
