@@ -133,7 +133,7 @@ print(max(r, key=r.get))")
     # Fourth plan (next session, #17 and #14), every job alone on the GPU: (1) +experiment=gpu_smollm2 prepare..export
     # (exported with --attention-backend triton now: 2026-12-02d's server died on FA3 without it), served by SGLang
     # beside a no-speculation server (eval/sets_online.json), then its offline evaluate; (2) what binds the 8B-shape
-    # FlexAttention step (train_mfu.py --profile); (3) on best's store, the same recipe with FlexAttention through
+    # FlexAttention step (train_mfu.py --profile), and plain-file writes by size and threads (disk_write.py); (3) on best's store, the same recipe with FlexAttention through
     # stage train (is it the GPU default to be?) and with speculators' AdamW betas (0.9, 0.999: they closed the
     # acc_0 gap at 133 steps), each ending in evaluate on heldout / MT-bench / HumanEval.
     S4="eval.sets=[heldout,mt_bench,humaneval]"
@@ -154,6 +154,11 @@ print(max(r, key=r.get))")
     echo "=== train_mfu --profile $(date +%T)"
     mkdir -p /tmp/perf/out; OUT=/tmp/perf/out python3 scripts/bench/train_mfu.py --target llama3_8b --tokens 8192 16384 --ttt 7 \
       --steps 8 --attn simple_flex_attention --profile > /tmp/perf/mfu.log 2>&1; tail -3 /tmp/perf/mfu.log
+    echo "=== disk_write: plain files by size and threads, /tmp and /dev/shm (what binds the store writer) $(date +%T)"
+    for r in /tmp /dev/shm; do
+      OUT=/tmp/perf/dw python3 scripts/bench/disk_write.py --root $r/dw --total-mb 2048 > /tmp/perf/dw.log 2>&1
+      tail -13 /tmp/perf/dw.log; cp /tmp/perf/dw/disk_write.json /tmp/perf/out/disk_write_$(basename $r).json
+    done
     for v in flex betas; do clone best $v; cp -r $G/best/features $G/$v/; done
     for v in flex betas; do st $v train && st $v export && st $v evaluate; done
     BENCH_NAME=acceptance_recipe3 python3 scripts/bench/online_fp8_recipe_report.py $G $G/online_fp8_recipe_h200.json \
