@@ -166,11 +166,15 @@ def _sets_table(cfg) -> None:
     else:
         for name in cfg.eval.sets:
             report = json.loads((set_dir(cfg, name) / "acceptance.json").read_text())
-            rows[name] = {"prompts": report["prompts"], "tau": {k: r["tau"] for k, r in report["trained"].items()}}
+            rows[name] = {"prompts": report["prompts"], "tau": {k: r["tau"] for k, r in report["trained"].items()},
+                          "teacher_forced_acc_0": (report.get("teacher_forced_acc_0") or {}).get("trained")}
         ks = sorted({k for r in rows.values() for k in r["tau"]}, key=int)
-        lines = [f"{'set':<16}{'prompts':>8}" + "".join(f"{'k=' + k:>8}" for k in ks)]
-        lines += [f"{name:<16}{r['prompts']:>8}" + "".join(f"{r['tau'][k]:>8.3f}" for k in ks) for name, r in rows.items()]
-        log.info("evaluate, tau of the trained draft per prompt set:\n%s", "\n".join(lines))
+        lines = [f"{'set':<16}{'prompts':>8}" + "".join(f"{'k=' + k:>8}" for k in ks) + f"{'acc_0':>8}"]
+        lines += [f"{name:<16}{r['prompts']:>8}" + "".join(f"{r['tau'][k]:>8.3f}" for k in ks)
+                  + (f"{r['teacher_forced_acc_0']:>8.3f}" if r["teacher_forced_acc_0"] is not None else f"{'n/a':>8}")
+                  for name, r in rows.items()]
+        log.info("evaluate, tau of the trained draft per prompt set (acc_0: its step-0 accuracy teacher-forced along "
+                 "the target's answers to that set):\n%s", "\n".join(lines))
     out_dir(cfg).mkdir(parents=True, exist_ok=True)
     name = "sets_online.json" if cfg.eval.endpoint else "sets.json"
     (out_dir(cfg) / name).write_text(json.dumps(rows, indent=1))

@@ -42,7 +42,10 @@ def test_evaluate_writes_a_tau_table_per_set_from_one_load_of_the_target(exporte
     for name, row in table.items():
         assert row["prompts"] == 2 and set(row["tau"]) == {"1", "2"} and all(t >= 1.0 for t in row["tau"].values())
         where = run_dir / "eval" / ("" if name == "heldout" else name) / "acceptance.json"
-        assert json.loads(where.read_text())["trained"]["1"]["greedy_mismatches"] == 0
+        report = json.loads(where.read_text())
+        assert report["trained"]["1"]["greedy_mismatches"] == 0
+        assert row["teacher_forced_acc_0"] == report["teacher_forced_acc_0"]["trained"]  # the set's own, per row
+        assert 0 <= row["teacher_forced_acc_0"] <= 1
 
 
 def test_an_unknown_set_is_one_line(make_cfg, tmp_path):
