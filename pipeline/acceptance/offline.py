@@ -318,19 +318,23 @@ def measure(cfg, store, prompts: list[list[int]], out: Path) -> Path:
             log.info("eval %s draft k=%d: tau %.3f, acceptance per position %s, greedy mismatches %d", name, k,
                      report[name][str(k)]["tau"], [round(x, 3) for x in accept], mismatches)
         with torch.no_grad():
-            hits = torch.cat([teacher_forced(model, capture, dr, p, g).cpu() for p, g in zip(prompts, greedy_refs)
-                              if len(g) > 1] or [torch.zeros(0, dtype=torch.bool)])
+            rows = [teacher_forced(model, capture, dr, p, g).cpu() for p, g in zip(prompts, greedy_refs) if len(g) > 1]
+        hits = torch.cat(rows or [torch.zeros(0, dtype=torch.bool)])
         tf = report.setdefault("teacher_forced_acc_0", {"tokens": len(hits)})
         tf[name] = float(hits.float().mean()) if len(hits) else None
+        if name == "trained":  # do misses cluster? the hit rate right after a hit and right after a miss
+            prev, nxt = (torch.cat([r[:-1] for r in rows] or [hits]), torch.cat([r[1:] for r in rows] or [hits]))
+            tf["after_hit"] = float(nxt[prev].float().mean()) if prev.any() else None
+            tf["after_miss"] = float(nxt[~prev].float().mean()) if (~prev).any() else None
     # step-0 accuracy along the target's greedy continuations, beside training's own (its last validation) and
     # the first-position acceptance at k = 1: the same question asked at every position vs where rounds start
     tf = report["teacher_forced_acc_0"]
     tf.update(training_val_full_acc_0=_trained_val_acc0(cfg), accept_first_position_k1=report["trained"]["1"]["accept_per_position"][0])
     if tf["trained"] is not None:
-        log.info("eval trained draft: step-0 accuracy teacher-forced along these continuations %.3f (training's last "
-                 "val full_acc_0 %s); first-position acceptance at k=1 %.3f (rounds start after the draft's misses)",
-                 tf["trained"], "n/a" if tf["training_val_full_acc_0"] is None else f"{tf['training_val_full_acc_0']:.3f}",
-                 tf["accept_first_position_k1"])
+        log.info("eval trained draft: step-0 accuracy teacher-forced along these continuations %.3f (%s after a hit, "
+                 "%s after a miss; training's last val full_acc_0 %s); first-position acceptance at k=1 %.3f (rounds "
+                 "start after the draft's misses)", tf["trained"], _fmt(tf.get("after_hit")), _fmt(tf.get("after_miss")),
+                 _fmt(tf["training_val_full_acc_0"]), tf["accept_first_position_k1"])
     _done(target)
     ks = report["draft_lengths"]
     lines = ["tau (tokens per target forward)  " + "".join(f"{'k=' + str(k):>8}" for k in ks)]
@@ -343,6 +347,10 @@ def measure(cfg, store, prompts: list[list[int]], out: Path) -> Path:
     _plot(report, out / "tau.png")
     return out
 
+
+
+def _fmt(x) -> str:
+    return "n/a" if x is None else f"{x:.3f}"
 
 
 def _trained_val_acc0(cfg):

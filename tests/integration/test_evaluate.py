@@ -125,3 +125,4 @@ def test_k1_speculation_asks_the_teacher_forced_questions_at_the_round_starts(ev
     tf = report["teacher_forced_acc_0"]
     assert 0 < tf["trained"] < 1 and tf["tokens"] > 0 and 0 < tf["training_val_full_acc_0"] < 1
     assert tf["untrained"] < tf["trained"] and tf["accept_first_position_k1"] == report["trained"]["1"]["accept_per_position"][0]
+    assert 0 <= tf["after_miss"] <= 1 and 0 <= tf["after_hit"] <= 1
