@@ -133,9 +133,10 @@ print(max(r, key=r.get))")
     # Fourth plan (next session, #17 and #14), every job alone on the GPU: (1) +experiment=gpu_smollm2 prepare..export
     # (exported with --attention-backend triton now: 2026-12-02d's server died on FA3 without it), served by SGLang
     # beside a no-speculation server (eval/sets_online.json), then its offline evaluate; (2) what binds the 8B-shape
-    # FlexAttention step (train_mfu.py --profile), and plain-file writes by size and threads (disk_write.py); (3) on best's store, the same recipe with FlexAttention through
-    # stage train (is it the GPU default to be?) and with speculators' AdamW betas (0.9, 0.999: they closed the
-    # acc_0 gap at 133 steps), each ending in evaluate on heldout / MT-bench / HumanEval.
+    # FlexAttention step (train_mfu.py --profile), and plain-file writes by size and threads (disk_write.py: what
+    # binds the store writer); (3) on best's store, the same recipe with FlexAttention through stage train (is it
+    # the GPU default to be?) and with speculators' AdamW betas (0.9, 0.999: they closed the acc_0 gap at 133
+    # steps), each ending in evaluate on heldout / MT-bench / HumanEval.
     S4="eval.sets=[heldout,mt_bench,humaneval]"
     V[best]="$S4"; V[flex]="$S4 train.attn_implementation=simple_flex_attention"; V[betas]="$S4 train.adam_betas=[0.9,0.999]"
     A="$A train.num_workers=4"
