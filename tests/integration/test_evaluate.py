@@ -23,6 +23,25 @@ def evaluated(make_cfg, tmp_path_factory):
     return cfg, run_dir
 
 
+def _target_and_draft(cfg, run_dir: Path):
+    """(store, tokenizer, fp32 target on CPU, its aux capture, the exported draft): what the offline bench runs."""
+    import torch
+    from safetensors.torch import load_file
+
+    from pipeline.acceptance import offline
+    from pipeline.engines.hf_capture import Capture
+    from pipeline.models import targets
+    from pipeline.run_dir import RunDir
+
+    store = RunDir.of(cfg).open_features()
+    folder = Path(store.facts["target_path"])
+    model = targets.load_model(folder, cfg.target, "cpu", torch.float32, "sdpa")
+    export = run_dir / "export" / "sglang"
+    dr = offline.ExportedDraft(load_file(str(export / "model.safetensors")), json.loads((export / "config.json").read_text()),
+                               model.get_input_embeddings().weight.detach())
+    return store, targets.load_tokenizer(folder, cfg.target), model, Capture(model, store.aux_layer_ids), dr
+
+
 def test_exported_draft_forward_equals_speculators_forward(evaluated):
     cfg, run_dir = evaluated
     assert exported_minus_speculators_logits(cfg, run_dir) <= 1e-5
@@ -45,23 +64,12 @@ def test_batched_speculation_is_the_serial_reference_row_by_row(evaluated):
     serial one-prompt path (offline.speculate, transformers' generate) is the reference it must equal exactly:
     every row's tokens and its accepted count in every round, on a draft that accepts (tau ~1.5 here)."""
     import torch
-    from safetensors.torch import load_file
 
     from pipeline.acceptance import batched, offline
-    from pipeline.engines.hf_capture import Capture
-    from pipeline.models import targets
-    from pipeline.run_dir import RunDir
     from pipeline.stages import evaluate
 
     cfg, run_dir = evaluated
-    store = RunDir.of(cfg).open_features()
-    folder = Path(store.facts["target_path"])
-    tok = targets.load_tokenizer(folder, cfg.target)
-    model = targets.load_model(folder, cfg.target, "cpu", torch.float32, "sdpa")
-    capture = Capture(model, store.aux_layer_ids)
-    config = json.loads((run_dir / "export" / "sglang" / "config.json").read_text())
-    dr = offline.ExportedDraft(load_file(str(run_dir / "export" / "sglang" / "model.safetensors")), config,
-                               model.get_input_embeddings().weight.detach())
+    store, tok, model, capture, dr = _target_and_draft(cfg, run_dir)
     prompts = evaluate.heldout_prompts(cfg, store, 6, cfg.eval.prompt_tokens)
     n, eos = cfg.eval.max_new_tokens, tok.eos_token_id
     assert len({len(p) for p in prompts}) > 1  # rows of different lengths: the padding is exercised
@@ -80,7 +88,7 @@ def test_batched_speculation_is_the_serial_reference_row_by_row(evaluated):
     # reference at its own k; a shorter row's extra proposals and verify slots change nothing
     ks = [1, 3, 2, 3, 1, 2, 2, 1, 3, 1, 2, 3]
     rows = batched.speculate(model, capture, dr, prompts + prompts, n, ks, eos)
-    assert [row for row in rows] == [serial[i % 6, k] for i, k in enumerate(ks)]
+    assert rows == [serial[i % 6, k] for i, k in enumerate(ks)]
     assert {k: [r for _, rs in v for r in rs] for k, v in batched.by_k(model, capture, dr, prompts, n, [1, 3], eos, 4).items()} \
         == {k: [r for i in range(6) for r in serial[i, k][1]] for k in (1, 3)}
 
@@ -91,23 +99,12 @@ def test_k1_speculation_asks_the_teacher_forced_questions_at_the_round_starts(ev
     is the teacher-forced hit at the position where the round starts (the next round starts 2 tokens on after an
     accept, 1 after a reject). acceptance.json reports both."""
     import torch
-    from safetensors.torch import load_file
 
     from pipeline.acceptance import offline
-    from pipeline.engines.hf_capture import Capture
-    from pipeline.models import targets
-    from pipeline.run_dir import RunDir
     from pipeline.stages import evaluate
 
     cfg, run_dir = evaluated
-    store = RunDir.of(cfg).open_features()
-    folder = Path(store.facts["target_path"])
-    tok = targets.load_tokenizer(folder, cfg.target)
-    model = targets.load_model(folder, cfg.target, "cpu", torch.float32, "sdpa")
-    capture = Capture(model, store.aux_layer_ids)
-    config = json.loads((run_dir / "export" / "sglang" / "config.json").read_text())
-    dr = offline.ExportedDraft(load_file(str(run_dir / "export" / "sglang" / "model.safetensors")), config,
-                               model.get_input_embeddings().weight.detach())
+    store, tok, model, capture, dr = _target_and_draft(cfg, run_dir)
     n, eos = cfg.eval.max_new_tokens, tok.eos_token_id
     checked = hits_seen = 0
     with torch.no_grad():
