@@ -323,7 +323,7 @@ def measure(cfg, store, prompts: list[list[int]], out: Path) -> Path:
         tf = report.setdefault("teacher_forced_acc_0", {"tokens": len(hits)})
         tf[name] = float(hits.float().mean()) if len(hits) else None
         if name == "trained":  # do misses cluster? the hit rate right after a hit and right after a miss
-            prev, nxt = (torch.cat([r[:-1] for r in rows] or [hits]), torch.cat([r[1:] for r in rows] or [hits]))
+            prev, nxt = (torch.cat([r[:-1] for r in rows]), torch.cat([r[1:] for r in rows])) if rows else (hits, hits)
             tf["after_hit"] = float(nxt[prev].float().mean()) if prev.any() else None
             tf["after_miss"] = float(nxt[~prev].float().mean()) if (~prev).any() else None
     # step-0 accuracy along the target's greedy continuations, beside training's own (its last validation) and

@@ -22,6 +22,7 @@ scripts/bench/results/sglang_serving_2026-12-01.json (BENCHMARKS.md has the tabl
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import re
@@ -398,18 +399,28 @@ def main() -> None:
     _gather(work)
 
 
-def missing_serve_args(good: Path, ov: list[str]) -> list[str]:
-    """The export.serve.sglang_args of the overrides that the export's serve.sh (written at export time, from
-    the overrides the export stage ran with) does not carry: serving it would not be the server asked for."""
-    if not (good / "serve.sh").exists():
-        return []
+@functools.lru_cache(maxsize=None)
+def _compose_cached(ov: tuple[str, ...]):
     from hydra import compose, initialize_config_dir
 
     from pipeline.config import register
 
     register()
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        cfg = compose("config", overrides=ov)
+        return compose("config", overrides=list(ov))
+
+
+def _compose(ov: list[str]):
+    """The run's config from the bench's overrides, composed once for every use in this process."""
+    return _compose_cached(tuple(ov))
+
+
+def missing_serve_args(good: Path, ov: list[str]) -> list[str]:
+    """The export.serve.sglang_args of the overrides that the export's serve.sh (written at export time, from
+    the overrides the export stage ran with) does not carry: serving it would not be the server asked for."""
+    if not (good / "serve.sh").exists():
+        return []
+    cfg = _compose(ov)
     have = shlex.split((good / "serve.sh").read_text())
     want = [str(x) for x in (cfg.export.serve.sglang_args or [])]
     return [w for w in want if w not in have]
@@ -417,15 +428,10 @@ def missing_serve_args(good: Path, ov: list[str]) -> list[str]:
 
 def write_prompts(prompts_file: Path, ov: list[str], run_dir: Path) -> None:
     """The held-out eval prompts (token ids) of the run, as the evaluate stage picks them."""
-    from hydra import compose, initialize_config_dir
-
-    from pipeline.config import register
     from pipeline.stages.evaluate import heldout_prompts
     from pipeline.formats import feature_store as fs
 
-    register()
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        cfg = compose("config", overrides=ov)
+    cfg = _compose(ov)
     store = fs.FeatureStore(run_dir / "features")
     prompts_file.write_text(json.dumps({"max_new_tokens": cfg.eval.max_new_tokens, "prompts": heldout_prompts(
         cfg, store, cfg.eval.num_prompts, cfg.eval.prompt_tokens)}))
