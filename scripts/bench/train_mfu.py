@@ -136,8 +136,8 @@ def profile_steps(step, sync, device, n: int = 2) -> dict:
     kern = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     by_kind, by_name = {}, {}
     for e in kern:
-        us = e.time_range.end - e.time_range.start
-        by_kind[kind_of(e.name)] = by_kind.get(kind_of(e.name), 0.0) + us
+        us, kind = e.time_range.end - e.time_range.start, kind_of(e.name)
+        by_kind[kind] = by_kind.get(kind, 0.0) + us
         by_name[e.name] = by_name.get(e.name, 0.0) + us
     total = sum(by_kind.values()) or 1.0
     busy = _busy_us(prof.events()) / 1e6
