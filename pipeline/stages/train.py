@@ -112,7 +112,7 @@ def _shaping(t, leave_out: tuple[str, ...]) -> dict:
         data["pad_packs"] = False      # hashes as the earlier default and no finished run is retrained for it
     for key, default in (("draft_arch", "llama"), ("strategy", "ddp"), ("features", "offline"),
                          ("eval_tau_every_steps", None), ("select", "last"), ("loss_chunk_tokens", 2048),
-                         ("adam_betas", [0.9, 0.95])):  # knobs added later, at their defaults
+                         ("adam_betas", [0.9, 0.95])):  # knobs added later, at the value they had before
         if key in data and data[key] == default:
             data.pop(key)
     return data

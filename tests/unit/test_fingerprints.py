@@ -24,7 +24,7 @@ def test_train_knobs_that_cannot_change_the_draft_keep_its_fingerprint(make_cfg,
 
 @pytest.mark.parametrize("override", ["train.lr=1e-3", "train.ttt_steps=2", "seed=1", "train.max_steps=3",
                                       "train.tokens_per_pack=128", "train.log_every_steps=3", "train.device=cpu",
-                                      "train.adam_betas=[0.9,0.999]"])
+                                      "train.adam_betas=[0.9,0.95]"])
 def test_train_knobs_that_shape_the_draft_or_its_curves_change_its_fingerprint(make_cfg, tmp_path, override):
     assert fp(train, make_cfg, tmp_path, override) != fp(train, make_cfg, tmp_path)
 
@@ -69,13 +69,14 @@ def test_train_pad_packs_null_hashes_as_the_earlier_default(make_cfg, tmp_path):
     assert fp(train, make_cfg, tmp_path) != fp(train, make_cfg, tmp_path, "train.pad_packs=true")
 
 
-def test_adam_betas_at_its_default_hashes_as_before_the_knob_existed(make_cfg):
-    """train.adam_betas came after runs were trained with AdamW (0.9, 0.95) hard-coded: at that default it is not
-    hashed, so those runs stay up to date."""
-    t = make_cfg("+experiment=tiny").train
+def test_adam_betas_at_the_value_before_the_knob_hashes_as_before_it_existed(make_cfg):
+    """train.adam_betas came after runs were trained with AdamW (0.9, 0.95) hard-coded: at that value it is not
+    hashed, so those runs stay up to date. The default is torch's (0.9, 0.999) now: a default run is another run."""
+    t = make_cfg("+experiment=tiny", "train.adam_betas=[0.9,0.95]").train
     assert "adam_betas" not in train._shaping(t, train.NOT_SHAPING)
-    assert train._shaping(make_cfg("+experiment=tiny", "train.adam_betas=[0.9,0.999]").train,
-                          train.NOT_SHAPING)["adam_betas"] == [0.9, 0.999]
+    assert list(make_cfg("+experiment=tiny").train.adam_betas) == [0.9, 0.999]
+    assert train._shaping(make_cfg("+experiment=tiny").train, train.NOT_SHAPING)["adam_betas"] == [0.9, 0.999]
+    assert list(make_cfg("+experiment=gpu_smollm2").train.adam_betas) == [0.9, 0.95]  # its measured recipe
 
 
 def test_shaping_refuses_a_left_out_knob_the_section_does_not_have(make_cfg):
