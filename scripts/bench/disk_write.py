@@ -16,12 +16,11 @@ import argparse
 import json
 import os
 import shutil
-import socket
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-from datetime import datetime, timezone
 from pathlib import Path
+
+import bench_json
 
 
 def write_files(root: Path, total: int, file_bytes: int, threads: int, buf: memoryview, sync: bool) -> float:
@@ -59,12 +58,7 @@ def main() -> None:
                              "seconds": dt, "mb_per_s": total / dt / 1e6})
                 print(json.dumps(rows[-1]), flush=True)
     shutil.rmtree(root, ignore_errors=True)
-    res = {"bench": "disk_write", "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-           "host": socket.gethostname(), "cpus": os.cpu_count(), "root": str(root),
-           "command": "python scripts/bench/disk_write.py " + " ".join(sys.argv[1:]), "total_mb": a.total_mb, "rows": rows}
-    out = Path(os.environ.get("OUT") or ".")
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "disk_write.json").write_text(json.dumps(res, indent=1))
+    bench_json.write(bench_json.header("disk_write", root=str(root), total_mb=a.total_mb, rows=rows), "disk_write")
     print(f"{'file KB':>8} {'threads':>7} {'sync':>5} {'files':>6} {'MB/s':>7}")
     for r in rows:
         print(f"{r['file_kb']:>8} {r['threads']:>7} {r['sync_at_end']!s:>5} {r['files']:>6} {r['mb_per_s']:>7.0f}")

@@ -11,19 +11,18 @@ Writes shard_commit.json to $OUT (or the current folder) and prints a table.
 import argparse
 import json
 import multiprocessing
-import os
 import shutil
-import socket
 import statistics
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
-from datetime import datetime, timezone
 from pathlib import Path
 
 import numpy as np
 import torch
 import zarr
+
+import bench_json
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
@@ -83,14 +82,10 @@ def main() -> None:
                      "shard_bytes": size, "mb_per_s": size / dt / 1e6})
         print(json.dumps(rows[-1]), flush=True)
     shutil.rmtree(root, ignore_errors=True)
-    res = {"bench": "shard_commit", "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-           "host": socket.gethostname(), "cpus": os.cpu_count(), "torch": torch.__version__,
-           "command": "python scripts/bench/shard_commit.py " + " ".join(sys.argv[1:]), "root": str(root),
-           "shape": {"hidden": a.hidden, "aux": a.aux, "tokens": a.tokens, "chunk_tokens": a.chunk_tokens,
-                     "compressor": a.compressor}, "rows": rows}
-    out = Path(os.environ.get("OUT") or ".")
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "shard_commit.json").write_text(json.dumps(res, indent=1))
+    bench_json.write(bench_json.header(
+        "shard_commit", torch=torch.__version__, root=str(root), rows=rows,
+        shape={"hidden": a.hidden, "aux": a.aux, "tokens": a.tokens, "chunk_tokens": a.chunk_tokens,
+               "compressor": a.compressor}), "shard_commit")
     print(f"{'write_workers':>13} {'concurrency':>11} {'chunk':>6} {'commit s':>9} {'tokens/s':>10} {'MB/s':>7}")
     for r in rows:
         print(f"{r['write_workers']:>13} {r['zarr_concurrency']:>11} {r['chunk_tokens']:>6} {r['commit_s']:>9.2f} "

@@ -14,15 +14,14 @@ import argparse
 import json
 import os
 import shutil
-import socket
-import sys
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 
 import numpy as np
 import zarr
 from zarr.codecs import BloscCodec, BloscShuffle, Crc32cCodec
+
+import bench_json
 
 
 def codecs(name: str):
@@ -63,13 +62,8 @@ def main() -> None:
                          "read_450_ms": rd * 1e3})
             print(json.dumps(rows[-1]), flush=True)
     shutil.rmtree(root, ignore_errors=True)
-    res = {"bench": "zarr_write", "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-           "host": socket.gethostname(), "cpus": os.cpu_count(), "zarr": zarr.__version__, "root": str(root),
-           "command": "python scripts/bench/zarr_write.py " + " ".join(sys.argv[1:]),
-           "array": {"tokens": T, "width": W, "bytes": int(x.nbytes)}, "rows": rows}
-    out = Path(os.environ.get("OUT") or ".")
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "zarr_write.json").write_text(json.dumps(res, indent=1))
+    bench_json.write(bench_json.header("zarr_write", zarr=zarr.__version__, root=str(root), rows=rows,
+                                       array={"tokens": T, "width": W, "bytes": int(x.nbytes)}), "zarr_write")
     print(f"{'layout':>24} {'codecs':>11} {'MB/s':>7} {'files':>6} {'read 450 ms':>12}")
     for r in rows:
         print(f"{r['layout']:>24} {r['codecs']:>11} {r['mb_per_s']:>7.0f} {r['files']:>6} {r['read_450_ms']:>12.2f}")
