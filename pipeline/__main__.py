@@ -120,8 +120,9 @@ def schema_as_option(args: list[str]) -> str | None:
     return None
 
 
-# A tool (verify, serve, doctor, parity, check-store) reads a run directory but never writes into one: no
-# .hydra/ config over the run's recorded one, no log file; its log goes to the terminal only.
+# A tool (verify, serve, doctor, parity, check-store, plan) writes no Hydra files into a run directory: no .hydra/
+# config over the run's recorded one, no log file; its log goes to the terminal only (parity's own output goes to
+# run_dir/parity/, no stage's folder).
 TOOL_HYDRA = ["hydra.output_subdir=null", "hydra/job_logging=stdout", "hydra.run.dir=."]
 
 
