@@ -1,6 +1,6 @@
 """Collects what scripts/bench/online_fp8_recipe.sh's run dirs hold into one JSON (issues #16, #17, #14).
 
-Per run dir: each stage's seconds (stages.json), the feature store's bytes and tokens, train's throughput, peak
+Per run dir: the seconds of each stage it ran itself (stages.json; a cloned run dir's reused stages are listed apart), the feature store's bytes and tokens, train's throughput, peak
 memory, val metrics before/after and the wall time at the end of every epoch (metrics.jsonl `wall_s`), the tau
 probes logged during training, and the offline tau per prompt set and k of the exported draft.
 Usage: python scripts/bench/online_fp8_recipe_report.py PLAN_DIR OUT.json [command that ran]
@@ -8,6 +8,7 @@ Usage: python scripts/bench/online_fp8_recipe_report.py PLAN_DIR OUT.json [comma
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -71,11 +72,28 @@ def _eval(run: Path) -> dict:
     return out
 
 
+def _stage_seconds(plan: Path, name: str, st: dict) -> dict:
+    """A cloned run dir carries its origin's stages.json, so a stage's seconds are this run's own only where the
+    plan ran it here: from its log (logs/RUN.STAGE.log, the runner's "stage X: done in N s"; null when it did not
+    finish). The stages it reused are listed apart. Without the plan's logs, stages.json as it is."""
+    if not (plan / "logs").is_dir():
+        return {"stage_seconds": {k: v.get("seconds") for k, v in st.items()}, "stages_reused": []}
+    own, reused = {}, []
+    for stage in st:
+        log = plan / "logs" / f"{name}.{stage}.log"
+        if not log.is_file():
+            reused.append(stage)
+            continue
+        done = re.findall(rf"stage {stage}: done in ([0-9.]+) s", log.read_text(errors="replace"))
+        own[stage] = float(done[-1]) if done else None
+    return {"stage_seconds": own, "stages_reused": sorted(reused)}
+
+
 def main(plan: Path, out: Path, command: str) -> None:
     runs = {}
     for run in sorted(p for p in plan.iterdir() if (p / "stages.json").is_file()):
         st = _json(run / "stages.json")
-        runs[run.name] = {"stage_seconds": {k: v.get("seconds") for k, v in st.items()},
+        runs[run.name] = {**_stage_seconds(plan, run.name, st),
                           "store": _store(run), "train": _train(run), "eval": _eval(run)}
     prof = {p.name: _json(p / "train_profile.json") for p in sorted(plan.glob("prof_*"))}
     try:
