@@ -36,6 +36,21 @@ class LoaderAudit:
         for p in self.params.values():
             p.weight_loader = self.recording(getattr(p, "weight_loader", default_loader))
 
+    def load(self, model: torch.nn.Module, path: str, default_loader) -> tuple[dict[str, torch.Tensor], list[str]]:
+        """Every tensor of the export's safetensors file through the engine's own `model.load_weights`, each
+        parameter's loader recorded. What the engine raises (a shape mismatch, a name it cannot place) becomes an
+        error line of the report, not a traceback: the audit still says what was and was not written."""
+        from safetensors.torch import load_file
+
+        self.wrap_param_loaders(default_loader)
+        tensors = load_file(path)
+        errors = []
+        try:
+            model.load_weights(list(tensors.items()))
+        except Exception as e:  # the engine's loader refused the export
+            errors.append(f"{type(e).__name__}: {e}")
+        return tensors, errors
+
     def report(self, tensors: dict[str, torch.Tensor], not_loaded_by_design: set[str],
                from_target: set[str], errors: list[str]) -> dict:
         seen = {k for k, v in tensors.items() if id(v) in self.consumed}
