@@ -25,6 +25,10 @@ from pipeline.errors import UserError
 
 log = logging.getLogger(__name__)
 VLLM_COUNTERS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
+# what an SGLang server says it runs (/get_server_info): recorded beside each bench, so a speedup is read against
+# the settings that made it (CUDA graphs off cost a 135M target 10x on the H200: BENCHMARKS.md, SGLang for real)
+SGLANG_FACTS = ("version", "speculative_algorithm", "speculative_num_steps", "speculative_eagle_topk",
+                "speculative_num_draft_tokens", "attention_backend", "disable_cuda_graph")
 
 
 def detect_engine(client, url: str) -> str:
@@ -49,6 +53,37 @@ def vllm_counters(client, url: str) -> dict:
         elif name in VLLM_COUNTERS:
             out[name] = out.get(name, 0.0) + value
     return out
+
+
+def server_facts(client, url: str, engine: str) -> dict:
+    """The server's own account of what it runs: SGLang's /get_server_info (SGLANG_FACTS), vLLM's /version. A
+    server that will not say is recorded as such; it never fails the bench."""
+    import httpx
+
+    try:
+        if engine == "sglang":
+            info = client.get(url + "/get_server_info").json()
+            return {k: info.get(k) for k in SGLANG_FACTS}
+        r = client.get(url + "/version")
+        return {"version": r.json().get("version")} if r.status_code == 200 else {}
+    except (httpx.HTTPError, ValueError) as e:
+        return {"error": f"{type(e).__name__}: {e}"}
+
+
+def speedup_note(spec: dict, base: dict, speedup: float | None) -> str | None:
+    """One line when speculation made the server slower, saying what the recorded settings point to."""
+    if speedup is None or speedup >= 1:
+        return None
+    graphs = (spec.get("server", {}).get("disable_cuda_graph"), base.get("server", {}).get("disable_cuda_graph"))
+    if graphs == (True, False):
+        why = "the speculative server runs without CUDA graphs and the baseline with them, so this is not like for like"
+    elif graphs == (True, True):
+        why = ("neither server runs CUDA graphs: a small target is launch-bound, and each round adds the draft's "
+               "steps and a verify pass")
+    else:
+        why = "the accepted tokens do not pay for the draft's steps on this server"
+    at = f", accept length {spec['accept_length']:.2f}" if spec.get("accept_length") else ""
+    return f"the speculative server is slower than the baseline (x{speedup:.2f}{at}): {why}"
 
 
 def _generate(client, url: str, engine: str, model: str | None, prompt: list[int], max_new: int) -> dict:
@@ -107,8 +142,9 @@ def bench(url: str, prompts: list[list[int]], max_new: int, concurrency: int, ti
             results = list(pool.map(lambda p: _generate(client, url, engine, model, p, max_new), prompts))
         wall = time.perf_counter() - t0
         after = vllm_counters(client, url) if engine == "vllm" else None
+        facts = server_facts(client, url, engine)
     tokens = sum(r["completion_tokens"] for r in results)
-    report = {"endpoint": url, "engine": engine, "requests": len(results), "completion_tokens": tokens,
+    report = {"endpoint": url, "engine": engine, "server": facts, "requests": len(results), "completion_tokens": tokens,
               "wall_s": wall, "tokens_per_s": tokens / wall if wall > 0 else 0.0, "accept_length": None}
     if engine == "sglang":
         verify = sum(r["verify_ct"] for r in results)
@@ -141,6 +177,10 @@ def measure(cfg, store, prompts: list[list[int]], out: Path) -> Path:
             base = bench(e.baseline_endpoint, prompts, e.max_new_tokens, e.endpoint_concurrency, e.endpoint_timeout_s)
             report["baseline"] = base
             report["speedup"] = spec["tokens_per_s"] / base["tokens_per_s"] if base["tokens_per_s"] else None
+            note = speedup_note(spec, base, report["speedup"])
+            if note:
+                report["speedup_note"] = note
+                log.warning("online: %s", note)
         except UserError as err:
             report["baseline_error"] = str(err)
             raise UserError(f"baseline: {err} (the speculative half is saved in {path})") from None

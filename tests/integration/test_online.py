@@ -8,6 +8,7 @@ spec-decode counters at /metrics. The numbers they return are fixed so the expec
 
 import json
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
@@ -113,6 +114,46 @@ def test_sglang_endpoint_accept_length_and_speedup_over_a_baseline(exported_run,
     assert spec["verify_passes"] == 12 and spec["accept_length"] == pytest.approx(2.5)
     assert base["engine"] == "vllm" and base["accept_length"] is None and base["drafts"] == 0
     assert report["speedup"] == pytest.approx(spec["tokens_per_s"] / base["tokens_per_s"])
+
+
+def sglang_like(disable_cuda_graph: bool, speculates: bool, delay_s: float):
+    class SGLangLikeTestServerWithFacts(_Handler):
+        """/get_server_info with the settings SGLang reports; /generate after delay_s, speculating at accept
+        length 2.5 or not at all."""
+
+        def do_GET(self):
+            if self.path != "/get_server_info":
+                return self._send(404, {})
+            self._send(200, {"version": "test-server", "disable_cuda_graph": disable_cuda_graph,
+                             "speculative_algorithm": "EAGLE3" if speculates else None, "attention_backend": "triton"})
+
+        def do_POST(self):
+            n = self._json()["sampling_params"]["max_new_tokens"]
+            time.sleep(delay_s)
+            self._send(200, {"text": "x", "meta_info": {"completion_tokens": n,
+                                                         "spec_verify_ct": -(-n * 2 // 5) if speculates else 0}})
+
+    return SGLangLikeTestServerWithFacts
+
+
+def test_a_slower_speculative_server_is_said_with_the_settings_that_explain_it(exported_run, make_cfg, serve, caplog):
+    """On the H200 a speculative server without CUDA graphs ran at 0.13x of a plain one with them: the report
+    records each server's own settings and says, in one line, why the speedup is below 1."""
+    run_dir, _ = exported_run
+    report = _online(make_cfg, run_dir, f"eval.endpoint={serve(sglang_like(True, True, 0.3))}",
+                     f"eval.baseline_endpoint={serve(sglang_like(False, False, 0.0))}")
+    assert report["speculative"]["server"]["disable_cuda_graph"] is True
+    assert report["speculative"]["server"]["speculative_algorithm"] == "EAGLE3"
+    assert report["baseline"]["server"]["disable_cuda_graph"] is False and report["baseline"]["accept_length"] is None
+    assert report["speedup"] < 1
+    assert "not like for like" in report["speedup_note"] and "accept length 2.50" in report["speedup_note"]
+    assert any("slower than the baseline" in r.getMessage() for r in caplog.records)
+    both_off = _online(make_cfg, run_dir, f"eval.endpoint={serve(sglang_like(True, True, 0.3))}",
+                       f"eval.baseline_endpoint={serve(sglang_like(True, False, 0.0))}")
+    assert "neither server runs CUDA graphs" in both_off["speedup_note"]
+    faster = _online(make_cfg, run_dir, f"eval.endpoint={serve(sglang_like(True, True, 0.0))}",
+                     f"eval.baseline_endpoint={serve(sglang_like(True, False, 0.3))}")
+    assert faster["speedup"] > 1 and "speedup_note" not in faster
 
 
 def test_vllm_endpoint_reads_the_counter_deltas(exported_run, make_cfg, serve):

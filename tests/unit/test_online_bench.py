@@ -48,6 +48,8 @@ class Client:
             return Response(404)
         if url.endswith("/v1/models"):
             return Response(body={"data": [{"id": "m"}]})
+        if url.endswith("/version"):  # vLLM's own account of itself
+            return Response(body={"version": "0.33.0"})
         if url.endswith("/metrics"):
             return Response(text=self.pages[-1] if self.posts else self.pages[0])
         raise AssertionError(url)
@@ -88,6 +90,7 @@ def test_accept_length_comes_from_the_counters_difference_over_the_bench(monkeyp
     report = online_bench.bench("http://x/", [[1, 2], [3], [4, 5, 6]], 10, concurrency=2, timeout_s=5)
     assert client.posts == 3
     assert (report["engine"], report["endpoint"], report["requests"], report["completion_tokens"]) == ("vllm", "http://x", 3, 30)
+    assert report["server"] == {"version": "0.33.0"}
     assert (report["drafts"], report["draft_tokens"], report["accepted"]) == (40.0, 120.0, 66.0)
     assert report["accept_length"] == pytest.approx(1 + 66 / 40)
     assert report["accept_per_position"] == pytest.approx([30 / 40, 22 / 40, 14 / 40])
