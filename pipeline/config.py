@@ -188,7 +188,7 @@ class Select(str, Enum):  # which weights the export takes (train.select)
 
 class Resume(str, Enum):
     auto = "auto"  # continue from the newest complete checkpoint under train/
-    never = "never"  # start fresh: earlier checkpoints and final/ are set aside (never resumed), deleted at its first
+    never = "never"  # start fresh: earlier checkpoints and final/ set aside, never resumed; deleted at its first save
 
 
 @dataclass

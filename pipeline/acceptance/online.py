@@ -71,10 +71,11 @@ def server_facts(client, url: str, engine: str) -> dict:
 
 
 def speedup_note(spec: dict, base: dict, speedup: float | None) -> str | None:
-    """One line when speculation made the server slower, saying what the recorded settings point to."""
+    """One line when speculation made the server slower, saying what the recorded settings (bench's `server`)
+    point to."""
     if speedup is None or speedup >= 1:
         return None
-    graphs = (spec.get("server", {}).get("disable_cuda_graph"), base.get("server", {}).get("disable_cuda_graph"))
+    graphs = (spec["server"].get("disable_cuda_graph"), base["server"].get("disable_cuda_graph"))
     if graphs == (True, False):
         why = "the speculative server runs without CUDA graphs and the baseline with them, so this is not like for like"
     elif graphs == (True, True):
@@ -144,8 +145,9 @@ def bench(url: str, prompts: list[list[int]], max_new: int, concurrency: int, ti
         after = vllm_counters(client, url) if engine == "vllm" else None
         facts = server_facts(client, url, engine)
     tokens = sum(r["completion_tokens"] for r in results)
-    report = {"endpoint": url, "engine": engine, "server": facts, "requests": len(results), "completion_tokens": tokens,
-              "wall_s": wall, "tokens_per_s": tokens / wall if wall > 0 else 0.0, "accept_length": None}
+    report = {"endpoint": url, "engine": engine, "server": facts, "requests": len(results),
+              "completion_tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall if wall > 0 else 0.0,
+              "accept_length": None}
     if engine == "sglang":
         verify = sum(r["verify_ct"] for r in results)
         report["verify_passes"] = verify

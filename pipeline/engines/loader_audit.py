@@ -18,6 +18,7 @@ import torch
 
 class LoaderAudit:
     def __init__(self, model: torch.nn.Module):
+        self.model = model
         self.params = dict(model.named_parameters())
         self.consumed: set[int] = set()
         with torch.no_grad():
@@ -36,7 +37,7 @@ class LoaderAudit:
         for p in self.params.values():
             p.weight_loader = self.recording(getattr(p, "weight_loader", default_loader))
 
-    def load(self, model: torch.nn.Module, path: str, default_loader) -> tuple[dict[str, torch.Tensor], list[str]]:
+    def load(self, path: str, default_loader) -> tuple[dict[str, torch.Tensor], list[str]]:
         """Every tensor of the export's safetensors file through the engine's own `model.load_weights`, each
         parameter's loader recorded. What the engine raises (a shape mismatch, a name it cannot place) becomes an
         error line of the report, not a traceback: the audit still says what was and was not written."""
@@ -46,7 +47,7 @@ class LoaderAudit:
         tensors = load_file(path)
         errors = []
         try:
-            model.load_weights(list(tensors.items()))
+            self.model.load_weights(list(tensors.items()))
         except Exception as e:  # the engine's loader refused the export
             errors.append(f"{type(e).__name__}: {e}")
         return tensors, errors

@@ -88,7 +88,7 @@ def verify(export_dir: str, target_dir: str, algorithm: str = "EAGLE3") -> dict:
     model, eagle3_module = build(export_dir)
     audit = LoaderAudit(model)
     # load_weights takes getattr(param, "weight_loader", default_weight_loader) for every parameter
-    tensors, errors = audit.load(model, f"{export_dir}/model.safetensors", eagle3_module.default_weight_loader)
+    tensors, errors = audit.load(f"{export_dir}/model.safetensors", eagle3_module.default_weight_loader)
     # d2t becomes hot_token_id; t2d is skipped by design; the embedding is the target's (set_embed, EAGLE3)
     report = audit.report(tensors, not_loaded_by_design={"d2t", "t2d"}, from_target={"model.embed_tokens.weight"},
                           errors=errors)

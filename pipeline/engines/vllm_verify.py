@@ -63,7 +63,7 @@ def verify(export_dir: str, target_dir: str) -> dict:
     model, spec = build(export_dir, target_dir)
     audit = LoaderAudit(model)
     # vLLM raises on names it cannot place, and on shape mismatches: an error line of the report
-    tensors, errors = audit.load(model, f"{export_dir}/model.safetensors", weight_utils.default_weight_loader)
+    tensors, errors = audit.load(f"{export_dir}/model.safetensors", weight_utils.default_weight_loader)
     report = audit.report(tensors, not_loaded_by_design={"t2d"}, from_target={"model.embed_tokens.weight"},
                           errors=errors)
     mapping_ok = None

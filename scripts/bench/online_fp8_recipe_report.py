@@ -1,8 +1,9 @@
 """Collects what scripts/bench/online_fp8_recipe.sh's run dirs hold into one JSON (issues #16, #17, #14).
 
-Per run dir: the seconds of each stage it ran itself (stages.json; a cloned run dir's reused stages are listed apart), the feature store's bytes and tokens, train's throughput, peak
-memory, val metrics before/after and the wall time at the end of every epoch (metrics.jsonl `wall_s`), the tau
-probes logged during training, and the offline tau per prompt set and k of the exported draft.
+Per run dir: the seconds of each stage it ran itself (a cloned run dir's reused stages are listed apart), the
+feature store's bytes and tokens, train's throughput, peak memory, val metrics before/after and the wall time at
+the end of every epoch (metrics.jsonl `wall_s`), the tau probes logged during training, and the offline tau per
+prompt set and k of the exported draft.
 Usage: python scripts/bench/online_fp8_recipe_report.py PLAN_DIR OUT.json [command that ran]
 """
 
