@@ -27,6 +27,7 @@ class Stage(str, Enum):
     parity = "parity"  # hf vs sglang capture of the same samples (GPU box with sglang)
     check_store = "check_store"  # `eaglepipe check-store`: every chunk of run_dir/features against its crc32c
     plan = "plan"  # `eaglepipe plan`: training memory per GPU for target x pack x TTT x ranks x ddp|fsdp, computed
+    tune_serve = "tune_serve"  # `eaglepipe tune-serve`: the speculative settings chosen by measurement, into serve.sh
 
 
 class TargetSource(str, Enum):
@@ -63,11 +64,28 @@ class DataFormat(str, Enum):
     sharegpt = "sharegpt"
     messages = "messages"
     hf = "hf"
+    mix = "mix"  # data.sources: several of the above, deduplicated, with per-source held-out (pipeline/data/mixture.py)
 
 
 class OnError(str, Enum):
     skip = "skip"  # drop the record, count it, log the first line numbers
     fail = "fail"  # stop at the first bad record with its line number
+
+
+class OnLeak(str, Enum):  # a training conversation whose user turn is an MT-bench/HumanEval prompt (pipeline/data/leaks.py)
+    fail = "fail"  # prepare refuses, naming the count
+    drop = "drop"  # such conversations are dropped and counted in stats.json
+    allow = "allow"  # kept, counted (a draft measured on prompts it was trained on)
+
+
+@dataclass
+class SourceConfig:  # one entry of data.sources (data=mix)
+    format: DataFormat = MISSING  # chitchat | chatterbot | sharegpt | messages | hf (not mix)
+    name: Optional[str] = None  # the label in counts and source ids; null = format (two of one format need names)
+    path: Optional[str] = None  # chitchat/chatterbot/sharegpt: null = the PyPI wheel's data
+    limit: Optional[int] = None  # training conversations taken from this source (after dedup and held-out); null = all
+    weight: Optional[float] = None  # this source's share of data.limit (set on every source or none)
+    heldout: int = 0  # conversations of this source set aside for validation/evaluation, never trained on
 
 
 @dataclass
@@ -83,22 +101,63 @@ class DataConfig:
     # embedded sources (chitchat, chatterbot) whose conversations join this one's before the shuffle and the limit,
     # e.g. data=chitchat data.extra_sources=[chatterbot] data.limit=null: every usable chat of both wheels
     extra_sources: list[str] = field(default_factory=list)
+    sources: List[SourceConfig] = field(default_factory=list)  # data=mix only (conf/data/mix.yaml)
+    on_leak: OnLeak = OnLeak.fail  # a user turn that is (nearly) an MT-bench or HumanEval prompt: fail | drop | allow
+
+
+class ServerEngine(str, Enum):  # the OpenAI-compatible server prepare starts (pipeline/engines/local_server.py)
+    none = "none"  # start nothing: prepare.regenerate_endpoint, or local HF generate
+    sglang = "sglang"  # python -m sglang.launch_server --model-path <target folder> ...
+    vllm = "vllm"  # python -m vllm.entrypoints.openai.api_server --model <target folder> ...
+    command = "command"  # `command`, as given: any OpenAI-compatible server (the external boundary; tests' fake)
+
+
+@dataclass
+class RegenerateServerConfig:
+    engine: ServerEngine = ServerEngine.none
+    python: Optional[str] = None  # the interpreter that runs the engine; null = this one (sys.executable)
+    env: dict[str, str] = field(default_factory=dict)  # added to the environment, e.g. {PYTHONPATH: ...}
+    args: list[str] = field(default_factory=list)  # appended to the launch line, e.g. [--tp-size, "8"]
+    # engine=command: the whole launch line; {model}, {host} and {port} are filled in
+    command: Optional[list[str]] = None
+    host: str = "127.0.0.1"
+    port: Optional[int] = None  # null = a free port
+    startup_timeout_s: float = 900.0  # weights load + CUDA graphs: minutes for a large target
+    mem_fraction: Optional[float] = None  # sglang --mem-fraction-static / vllm --gpu-memory-utilization; null = theirs
+
+
+class OnFailedRequest(str, Enum):
+    fail = "fail"  # prepare stops with one line naming the failures; a rerun resumes from the journal
+    drop = "drop"  # the conversations whose request failed are dropped and counted in stats.json
 
 
 @dataclass
 class PrepareConfig:
     max_len: int = 2048
-    # Cut conversations after this many assistant turns (null = keep all). Regeneration is turn by turn, so
-    # long chats cost one batched generate round per turn; text past max_len is never trained on anyway.
+    # Cut conversations after this many assistant turns (null = keep all); text past max_len is never trained on.
     max_assistant_turns: Optional[int] = None
     regenerate: bool = False
     regenerate_endpoint: Optional[str] = None  # OpenAI-compatible base URL, e.g. http://localhost:30000
     regenerate_model: Optional[str] = None  # model name sent to the endpoint; null = the target's name
+    # a server eaglepipe starts for the target (and stops), whose URL becomes the endpoint
+    regenerate_server: RegenerateServerConfig = field(default_factory=RegenerateServerConfig)
     max_new_tokens: int = 256
     temperature: float = 0.0
     gen_batch_size: int = 16
-    endpoint_concurrency: int = 8
+    # conversations in flight at the endpoint, each advancing through its own turns (a server batches them)
+    endpoint_concurrency: int = 256
     endpoint_timeout_s: float = 120.0
+    endpoint_retries: int = 4  # a failed request (transport, HTTP 5xx/429, empty or non-OpenAI answer) is asked again
+    endpoint_backoff_s: float = 1.0  # before retry k: endpoint_backoff_s * 2^(k-1) seconds
+    on_failed_request: OnFailedRequest = OnFailedRequest.fail
+    # Magpie-style prompts: the target writes this many user turns itself (from its template's user prefix),
+    # filtered (length, duplicates, refusals/role leaks, non-English), then answered like the rest
+    synthesize: int = 0
+    synthesize_system: Optional[str] = None  # a system prompt rendered before the user prefix; null = the template's
+    synthesize_max_new_tokens: int = 256
+    synthesize_temperature: float = 1.0
+    synthesize_min_chars: int = 16
+    synthesize_max_chars: int = 4000
 
 
 class Backend(str, Enum):
@@ -250,7 +309,7 @@ class TrainConfig:
 
 @dataclass
 class ServeConfig:
-    # written into serve.sh; tune per deployment
+    # written into serve.sh (and the manifest's `serve`); `eaglepipe tune-serve` measures them per deployment
     num_steps: int = 3  # --speculative-num-steps (draft chain length)
     topk: int = 1  # --speculative-eagle-topk
     num_draft_tokens: int = 4  # --speculative-num-draft-tokens
@@ -289,7 +348,11 @@ class EvalConfig:
     # Online bench instead of the offline one: a running SGLang/vLLM server serving this draft
     endpoint: Optional[str] = None  # e.g. http://localhost:30000
     baseline_endpoint: Optional[str] = None  # the same target without speculation, for the speedup
-    endpoint_concurrency: int = 1
+    # the firm bench (docs/serving.md): per concurrency, `repeats` passes over every prompt, the two servers'
+    # passes interleaved; median and spread of tokens/s and of the speedup. e.g. [1, 8, 32]
+    concurrency: List[int] = field(default_factory=lambda: [1])
+    repeats: int = 3
+    warmup_prompts: int = 4  # requests sent to each server first, not counted (JIT, first-request costs)
     endpoint_timeout_s: float = 300.0
 
 
@@ -298,6 +361,31 @@ class PlanConfig:  # `eaglepipe plan` (pipeline/tools/plan.py); the shape comes 
     world_size: int = 8  # ranks; DDP or FSDP is train.strategy
     gpu_memory_gib: float = 139.0  # an H200's usable memory
     precision: str = "bf16"  # bf16 (autocast on GPU, as train runs there) | fp32 (CPU)
+
+
+@dataclass
+class TuneGrid:  # the candidates of `eaglepipe tune-serve`: every combination of these lists
+    num_steps: List[int] = field(default_factory=lambda: [1, 2, 3, 4, 5])  # --speculative-num-steps
+    topk: List[int] = field(default_factory=lambda: [1])  # --speculative-eagle-topk
+    # --speculative-num-draft-tokens; null = num_steps + 1 (what SGLang runs at topk 1 whatever is asked)
+    num_draft_tokens: List[Optional[int]] = field(default_factory=lambda: [None])
+    attention_backend: List[Optional[str]] = field(default_factory=lambda: [None])  # null = serve.sh's own
+    cuda_graph_max_bs: List[Optional[int]] = field(default_factory=lambda: [None])  # null = serve.sh's own
+
+
+@dataclass
+class TuneConfig:  # `eaglepipe tune-serve` (pipeline/tools/tune_serve.py, docs/serving.md); the bench is eval.*
+    grid: TuneGrid = field(default_factory=TuneGrid)
+    objective_concurrency: int = 1  # the winner: the highest median tokens/s at this one of eval.concurrency
+    # a running plain server of the same target; null = started once from serve.sh without the speculative flags
+    baseline_endpoint: Optional[str] = None
+    # what the launch lines start with instead of serve.sh's `python -m sglang.launch_server`, e.g. another
+    # Python's path (`/opt/sglang/bin/python -m sglang.launch_server`) or tests' SGLang-like test server script
+    launch_prefix: Optional[str] = None
+    # flags for the sweep's servers only, never written to serve.sh, e.g. [--mem-fraction-static, "0.35"] so the
+    # baseline and a candidate fit on one GPU together
+    server_args: List[str] = field(default_factory=list)
+    start_timeout_s: float = 900.0  # a server not healthy by then failed (SGLang with graphs: ~2 min on the H200)
 
 
 @dataclass
@@ -316,6 +404,7 @@ class Config:
     export: ExportConfig = field(default_factory=ExportConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     plan: PlanConfig = field(default_factory=PlanConfig)
+    tune: TuneConfig = field(default_factory=TuneConfig)
     # the tools (verify, serve, doctor)
     export_dir: Optional[str] = None  # an export folder; null = run_dir/export/<engine>
     engine: Optional[str] = None  # sglang | vllm; null = the export's own (verify) or every exported engine

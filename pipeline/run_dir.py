@@ -59,6 +59,11 @@ class RunDir:
     def parity(self) -> Path:
         return self.root / "parity"
 
+    @property
+    def tune(self) -> Path:
+        """`eaglepipe tune-serve`'s table (serve_sweep.json) and its servers' logs."""
+        return self.root / "tune"
+
     # the runner's records
     @property
     def stages_json(self) -> Path:

@@ -26,7 +26,7 @@ log = logging.getLogger(__name__)
 
 ORDER = ["prepare", "extract", "vocab", "train", "export", "evaluate"]
 # read an export or a store; no fingerprints, never part of `all`
-TOOLS = ["verify", "serve", "doctor", "parity", "check_store", "plan"]
+TOOLS = ["verify", "serve", "doctor", "parity", "check_store", "plan", "tune_serve"]
 
 
 # Stages with a multi-process implementation (torchrun / accelerate launch): extract (hf: data parallel; sglang:
@@ -105,6 +105,9 @@ def _resume_conflicts(cfg, names: list[str]) -> list[str]:
 
 def run_stages(cfg) -> None:
     stage = str(getattr(cfg.stage, "value", cfg.stage))
+    # httpx logs every request at INFO: a regeneration or an online bench sends tens of thousands; their counts and
+    # rates are our own log lines
+    logging.getLogger("httpx").setLevel(logging.WARNING)
     try:
         _run_stages(cfg, stage)
     except fs.ChunkError as e:  # damaged features, found while reading them

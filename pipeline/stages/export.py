@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import shlex
 import shutil
 from pathlib import Path
 
@@ -27,6 +26,7 @@ from pipeline.formats import feature_store as fs
 from pipeline.formats import vocab_map
 from pipeline.models import targets
 from pipeline.run_dir import RunDir
+from pipeline.serving import launch
 from pipeline.tools import verify
 
 log = logging.getLogger(__name__)
@@ -145,8 +145,6 @@ def run(cfg) -> Path:
             config = vllm_config(draft_cfg, store, engine_ids)
         save_file(names, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
-        (tmp / "serve.sh").write_text(serve_command(engine, store.facts["target_path"], out, cfg.export.serve) + "\n")
-        os.chmod(tmp / "serve.sh", 0o755)
         rows = lay.tensor_table(names)
         manifest = {"schema_version": lay.SCHEMA_VERSION, "engine": engine,
                     "engine_version_read": lay.engine_version(engine),
@@ -154,6 +152,7 @@ def run(cfg) -> Path:
                     "draft_kv_bytes_per_token": lay.draft_kv_bytes_per_token(
                         config if engine == "sglang" else sglang_config(layer, draft_cfg, store, engine_ids, layout)),
                     "tensors": rows}
+        launch.write_serve(tmp, engine, store.facts["target_path"], out, cfg.export.serve, {"by": "config"}, manifest)
         (tmp / "export_manifest.json").write_text(json.dumps(manifest, indent=1))
         problems, report = verify.verify_export(tmp, engine, store.facts, store.facts["target_path"],
                                                 cfg.export.verify_in_engine, verify.configured_python(cfg, engine),
@@ -184,14 +183,3 @@ def vllm_config(draft_cfg: dict, store: fs.FeatureStore, aux_ids: list[int]) -> 
     config["dtype"] = "bfloat16"
     return config
 
-
-def serve_command(engine: str, target: str, export: Path, serve) -> str:
-    extra = list(getattr(serve, f"{engine}_args", None) or [])
-    tail = (" " + shlex.join(str(a) for a in extra)) if extra else ""
-    if engine == "sglang":
-        return (f"python -m sglang.launch_server --model-path {target} --speculative-algorithm EAGLE3 "
-                f"--speculative-draft-model-path {export} --speculative-num-steps {serve.num_steps} "
-                f"--speculative-eagle-topk {serve.topk} --speculative-num-draft-tokens {serve.num_draft_tokens} "
-                f"--dtype bfloat16{tail}")
-    spec = json.dumps({"method": "eagle3", "model": str(export), "num_speculative_tokens": serve.num_steps})
-    return f"vllm serve {target} --speculative-config '{spec}' --dtype bfloat16{tail}"

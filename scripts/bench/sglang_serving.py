@@ -374,7 +374,7 @@ def main() -> None:
                 for conc in [int(c) for c in a.eval_conc.split(",") if c not in ("", "none")]:
                     r = eaglepipe(["stage=evaluate", *ov, f"eval.endpoint={spec_url}",
                                    *([f"eval.baseline_endpoint={base_url}"] if base_up else []),
-                                   f"eval.endpoint_concurrency={conc}"],
+                                   f"eval.concurrency=[{conc}]"],
                                   work / f"good{a.tag}.evaluate_c{conc}.log", 300)
                     online = run_dir / "eval" / "online.json"
                     if online.exists():

@@ -86,8 +86,9 @@ def test_accept_length_comes_from_the_counters_difference_over_the_bench(monkeyp
     before = metrics(100, 300, 50, [30, 15, 5])  # counted before the bench started: not ours
     after = metrics(140, 420, 116, [60, 37, 19])  # +40 drafts, +66 accepted, per position +30 +22 +14
     client = Client([before, after])
-    monkeypatch.setattr("httpx.Client", lambda timeout: Ctx(client))
-    report = online_bench.bench("http://x/", [[1, 2], [3], [4, 5, 6]], 10, concurrency=2, timeout_s=5)
+    monkeypatch.setattr("httpx.Client", lambda **kw: Ctx(client))
+    report = online_bench.firm_bench("http://x/", None, [[1, 2], [3], [4, 5, 6]], 10, [2], repeats=1, warmup=0,
+                                     timeout_s=5)["speculative"]
     assert client.posts == 3
     assert (report["engine"], report["endpoint"], report["requests"], report["completion_tokens"]) == ("vllm", "http://x", 3, 30)
     assert report["server"] == {"version": "0.33.0"}
@@ -98,8 +99,8 @@ def test_accept_length_comes_from_the_counters_difference_over_the_bench(monkeyp
 
 def test_no_new_drafts_means_no_accept_length(monkeypatch):
     page = metrics(100, 300, 50, [30, 15, 5])
-    monkeypatch.setattr("httpx.Client", lambda timeout: Ctx(Client([page, page])))
-    report = online_bench.bench("http://x", [[1]], 4, concurrency=1, timeout_s=5)
+    monkeypatch.setattr("httpx.Client", lambda **kw: Ctx(Client([page, page])))
+    report = online_bench.firm_bench("http://x", None, [[1]], 4, [1], repeats=1, warmup=0, timeout_s=5)["speculative"]
     assert report["drafts"] == 0.0 and report["accept_length"] is None
 
 
@@ -145,7 +146,7 @@ def test_first_answers_for_a_second_turn_come_from_the_server_in_prompt_order(mo
             limit = json["max_tokens"]
             return Response(body={"usage": {"completion_tokens": limit}, "choices": [{"text": f"answer {json['prompt'][0]}"}]})
 
-    cfg = SimpleNamespace(eval=SimpleNamespace(endpoint="http://x/", endpoint_timeout_s=5, endpoint_concurrency=3))
+    cfg = SimpleNamespace(eval=SimpleNamespace(endpoint="http://x/", endpoint_timeout_s=5, concurrency=[1, 3]))
     for engine in ("sglang", "vllm"):
         monkeypatch.setattr("httpx.Client", lambda timeout, s=Server(engine): Ctx(s))
         got = online_bench.greedy_answers(cfg, None, [[7, 1], [3], [9, 2, 2]], 16)
