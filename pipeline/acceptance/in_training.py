@@ -31,11 +31,12 @@ class TauProbe:
         self.ks = list(range(1, e.max_draft + 1))
         self.max_new, self.batch_size = e.max_new_tokens, max(e.batch_size, 1)
         folder = Path(store.facts["target_path"])
-        self.prompts = prompt_sets.before_answer(store, val_idx, e.num_prompts, e.prompt_tokens)
+        selection, _ = prompt_sets.selection_and_report(val_idx)  # evaluate reports on the other half
+        self.prompts = prompt_sets.before_answer(store, selection, e.num_prompts, e.prompt_tokens)
         if not self.prompts:
-            raise UserError(f"train.eval_tau_every_steps: none of the {len(val_idx)} held-out samples has a prompt of "
-                            f"2 to eval.prompt_tokens={e.prompt_tokens} tokens; raise eval.prompt_tokens or "
-                            "train.val_fraction")
+            raise UserError(f"train.eval_tau_every_steps: none of the {len(selection)} held-out samples of the selection "
+                            f"half has a prompt of 2 to eval.prompt_tokens={e.prompt_tokens} tokens; raise "
+                            "eval.prompt_tokens or train.val_fraction")
         device, _ = targets.pick_device_dtype(e.device, "fp32")  # evaluate's setting: exact greedy, no bf16 noise
         self.model = targets.load_model(folder, cfg.target, device, torch.float32, "sdpa")
         self.model.requires_grad_(False)

@@ -28,6 +28,15 @@ SETS = {
 SECOND_TURN = {"mt_bench_turn2": "mt_bench"}  # a set of second turns -> the set whose file holds both turns
 
 
+def selection_and_report(val_ids) -> tuple[list[int], list[int]]:
+    """The held-out samples, split in two disjoint halves: `selection` (odd positions) is what training's tau probe
+    watches and `train.select=tau` picks a checkpoint on; `report` (even positions) is what evaluate's `heldout` set
+    measures. A figure measured on the prompts a checkpoint was chosen on overstates it (the selection bias the
+    issue #31 brief names), so the two never meet. One sample held out: it goes to the report."""
+    ids = [int(i) for i in val_ids]
+    return ids[1::2], ids[0::2]
+
+
 def before_answer(store, sample_ids, n: int, prompt_tokens: int) -> list[list[int]]:
     """Up to n prompts from these samples: each one's tokens before its first supervised token (where the
     assistant starts answering), kept if 2..prompt_tokens long. Reads token ids only (`store.tokens`)."""

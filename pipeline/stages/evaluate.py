@@ -37,7 +37,7 @@ def out_dir(cfg) -> Path:
 # offline bench reads no server knob, the online one neither the draft lengths nor the local device.
 NOT_SHAPING = ("endpoint_timeout_s", "batch_size")  # batch_size: the same tau either way (tests hold it)
 OFFLINE_ONLY = ("max_draft", "device")
-ONLINE_ONLY = ("baseline_endpoint", "endpoint_concurrency")
+ONLINE_ONLY = ("baseline_endpoint", "concurrency", "repeats", "warmup_prompts")
 
 
 def fingerprint(cfg) -> str:
@@ -60,9 +60,13 @@ def is_complete(cfg) -> bool:
 def check(cfg) -> None:
     """Every problem with the eval settings, before acceptance.json / online.json is replaced."""
     e, problems = cfg.eval, []
-    for key in ("num_prompts", "max_new_tokens", "max_draft", "endpoint_concurrency", "batch_size", "first_answer_tokens"):
+    for key in ("num_prompts", "max_new_tokens", "max_draft", "repeats", "batch_size", "first_answer_tokens"):
         if e[key] < 1:
             problems.append(f"eval.{key}={e[key]} must be >= 1")
+    if not e.concurrency or min(e.concurrency) < 1 or len(set(e.concurrency)) != len(e.concurrency):
+        problems.append(f"eval.concurrency={list(e.concurrency)}: a list of distinct numbers >= 1, e.g. [1,8,32]")
+    if e.warmup_prompts < 0:
+        problems.append(f"eval.warmup_prompts={e.warmup_prompts} must be >= 0")
     if e.prompt_tokens < 2:
         problems.append(f"eval.prompt_tokens={e.prompt_tokens} must be >= 2")
     unknown = [n for n in e.sets if n not in prompt_sets.names()]
@@ -157,7 +161,9 @@ def _sets_table(cfg) -> None:
             report = json.loads((set_dir(cfg, name) / "online.json").read_text())
             spec = report["speculative"]
             rows[name] = {"prompts": spec["requests"], "accept_length": spec["accept_length"],
-                          "tokens_per_s": spec["tokens_per_s"], "speedup": report.get("speedup")}
+                          "tokens_per_s": spec["tokens_per_s"], "speedup": report.get("speedup"),
+                          "speedup_by_concurrency": {c: row.get("speedup_median")
+                                                     for c, row in (report.get("by_concurrency") or {}).items()}}
         lines = [f"{'set':<16}{'prompts':>8}{'accept length':>15}{'tokens/s':>11}{'speedup':>9}"]
         lines += [f"{name:<16}{r['prompts']:>8}" + (f"{r['accept_length']:>15.3f}" if r["accept_length"] else f"{'n/a':>15}")
                   + f"{r['tokens_per_s']:>11.1f}" + (f"{r['speedup']:>9.2f}" if r["speedup"] else f"{'':>9}")
@@ -181,8 +187,9 @@ def _sets_table(cfg) -> None:
 
 
 def heldout_prompts(cfg, store, n: int, prompt_tokens: int) -> list[list[int]]:
-    """Prefixes of the validation samples train held out (train_summary.json's `val_samples`) up to their first
-    supervised token, i.e. up to where the assistant starts answering; at most prompt_tokens long."""
+    """Prefixes of the validation samples train held out (train_summary.json's `val_samples`), report half
+    (prompt_sets.selection_and_report), up to their first supervised token, i.e. up to where the assistant starts
+    answering; at most prompt_tokens long."""
     summary = RunDir.of(cfg).final / "train_summary.json"
     val = json.loads(summary.read_text()).get("val_samples") if summary.is_file() else None
     if val is None:  # a draft trained before train recorded its split: the same seeded split, recomputed
@@ -191,8 +198,12 @@ def heldout_prompts(cfg, store, n: int, prompt_tokens: int) -> list[list[int]]:
     if not val:
         raise UserError(f"{summary.parent} was trained with no held-out samples (train.val_fraction=0): evaluate "
                         "prompts only from samples the draft never saw; retrain with train.val_fraction > 0")
-    prompts = prompt_sets.before_answer(store, val, n, prompt_tokens)
+    _, report = prompt_sets.selection_and_report(val)  # never the half the tau probe chose a checkpoint on
+    prompts = prompt_sets.before_answer(store, report, n, prompt_tokens)
+    if len(prompts) < n:
+        log.warning("evaluate: heldout has %d prompts of the %d asked (%d held-out samples, half of them kept for "
+                    "training's tau probe); raise train.val_fraction for more", len(prompts), n, len(val))
     if not prompts:
-        raise UserError(f"none of the {len(val)} held-out samples has a prompt (the tokens before the first "
+        raise UserError(f"none of the {len(report)} held-out samples of the report half has a prompt (the tokens before the first "
                         f"supervised one) of 2 to eval.prompt_tokens={prompt_tokens} tokens; raise eval.prompt_tokens")
     return prompts

@@ -34,7 +34,7 @@ from pipeline.data.features_dataset import (
 )
 from pipeline.errors import UserError
 from pipeline.fingerprint import digest, shaping
-from pipeline.formats import checkpoint, vocab_map
+from pipeline.formats import checkpoint, prepared, vocab_map
 from pipeline.formats import feature_store as fs
 from pipeline.models import draft, fsdp, losses, targets
 from pipeline.run_dir import RunDir
@@ -159,6 +159,7 @@ class Plan:
     val_packs: list
     total_steps: int
     split: dict  # samples longer than a pack: how many, into how many windows, positions repeated as context
+    train_tokens: int = 0  # tokens of the training samples (one epoch), held-out ones excluded
 
 
 @dataclass
@@ -223,7 +224,7 @@ def _end(s: Session) -> None:
 def _plan(cfg, store: fs.FeatureStore, rank: int, world: int) -> Plan:
     t = cfg.train
     lengths = store.sample_lengths()
-    train_idx, val_idx = split(len(lengths), t.val_fraction, cfg.seed)
+    train_idx, val_idx = split(len(lengths), t.val_fraction, cfg.seed, heldout_samples(cfg, rank))
     ctx = split_context(t)
     epochs = [plan_packs(train_idx, lengths, t.tokens_per_pack, cfg.seed, e, context=ctx) for e in range(t.epochs)]
     steps = sum(len(rank_share(p, 0, rank, world, t.grad_accum)) // t.grad_accum for p in epochs)
@@ -240,7 +241,20 @@ def _plan(cfg, store: fs.FeatureStore, rank: int, world: int) -> Plan:
                     "of %d); every position is trained once", splits["samples"], len(train_idx), t.tokens_per_pack,
                     splits["pieces"], ctx, splits["context_positions"], 100 * splits["context_positions"] /
                     max(splits["positions"], 1), splits["positions"])
-    return Plan(list(train_idx), list(val_idx), epochs, val_packs, total_steps, splits)
+    return Plan(list(train_idx), list(val_idx), epochs, val_packs, total_steps, splits,
+                int(sum(int(lengths[i]) for i in train_idx)))
+
+
+def heldout_samples(cfg, rank: int) -> list[int] | None:
+    """The samples prepare set aside (data=mix's per-source held-out): validated on, never trained on."""
+    ids = prepared.heldout_samples(cfg.run_dir)
+    if ids is None and rank == 0:
+        log.warning("train: no %s/prepared/stats.json: cannot tell which samples prepare held out; holding out "
+                    "train.val_fraction=%s by sample", cfg.run_dir, cfg.train.val_fraction)
+    elif ids and rank == 0:
+        log.info("train: validating on the %d conversations prepare held out (data.sources[*].heldout); "
+                 "train.val_fraction is not used", len(ids))
+    return ids
 
 
 def _setup(cfg) -> tuple[Session, Plan]:
@@ -628,6 +642,7 @@ def _finish(accelerator, model, cfg, root: Path, step: int, final_val: dict, ups
     summary = {"produced_by": f"eaglepipe {__version__}", "optimizer_steps": step, "upstream": upstream,
                "val_before": first_val, "val_after": final_val,
                "val_samples": [int(i) for i in plan.val_idx],  # held out by sample; evaluate prompts from these
+               "train_samples": len(plan.train_idx), "train_tokens": plan.train_tokens,
                "split_by_tokens_per_pack": plan.split, "throughput": _throughput(rows),
                "peak_memory": _peak_memory(accelerator.device),
                "world_size": accelerator.num_processes, "grad_accum": cfg.train.grad_accum,

@@ -30,6 +30,9 @@ def test_exports_pass_their_checks_with_engine_numbering_and_layout(exported):
     for engine in ("sglang", "vllm"):
         assert check_export(run_dir / "export" / engine, engine, facts) == []
         assert "EAGLE3" in (run_dir / "export" / engine / "serve.sh").read_text().upper()
+        serve = json.loads((run_dir / "export" / engine / "export_manifest.json").read_text())["serve"]
+        assert (serve["num_steps"], serve["topk"], serve["num_draft_tokens"], serve["chosen_by"]) == (
+            3, 1, 4, {"by": "config"})  # serve.sh's settings, and that export.serve chose them (tune-serve: measurement)
 
 
 MUTATIONS = [

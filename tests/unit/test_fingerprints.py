@@ -37,8 +37,8 @@ def test_the_vocabulary_it_trains_on_is_in_trains_fingerprint(make_cfg, tmp_path
 
 
 @pytest.mark.parametrize("override,same", [
-    ("eval.endpoint_timeout_s=5", True), ("eval.endpoint_concurrency=4", True),
-    ("eval.baseline_endpoint=http://b:1", True),  # the offline bench talks to no server
+    ("eval.endpoint_timeout_s=5", True), ("eval.concurrency=[4]", True), ("eval.repeats=5", True),
+    ("eval.warmup_prompts=0", True), ("eval.baseline_endpoint=http://b:1", True),  # the offline bench talks to no server
     ("eval.max_draft=2", False), ("eval.num_prompts=7", False), ("eval.max_new_tokens=9", False),
     ("eval.device=cpu", False), ("eval.endpoint=http://s:1", False),
 ])
@@ -48,7 +48,8 @@ def test_offline_evaluate_hashes_what_the_offline_bench_reads(make_cfg, tmp_path
 
 @pytest.mark.parametrize("override,same", [
     ("eval.endpoint_timeout_s=5", True), ("eval.max_draft=2", True), ("eval.device=cpu", True),  # not read online
-    ("eval.endpoint_concurrency=4", False), ("eval.baseline_endpoint=http://b:1", False), ("eval.num_prompts=7", False),
+    ("eval.concurrency=[4]", False), ("eval.repeats=5", False), ("eval.warmup_prompts=0", False),
+    ("eval.baseline_endpoint=http://b:1", False), ("eval.num_prompts=7", False),
 ])
 def test_online_evaluate_hashes_what_the_online_bench_reads(make_cfg, tmp_path, override, same):
     online = "eval.endpoint=http://s:1"
@@ -156,8 +157,9 @@ def test_data_extra_sources_reprepares_and_hashes_as_before_the_knob_at_its_defa
     prepare.fingerprint(cfg)
     assert "extra_sources" not in seen[-1]["data"]
     want = OmegaConf.to_container(cfg.data, resolve=True, enum_to_str=True)
-    want.pop("extra_sources")
-    assert seen[-1]["data"] == want  # the data section exactly as hashed before the knob existed
+    for later in ("extra_sources", "sources", "on_leak"):  # knobs added later, at their defaults
+        want.pop(later)
+    assert seen[-1]["data"] == want  # the data section exactly as hashed before the knobs existed
     monkeypatch.undo()
-    assert prepare.fingerprint(make_cfg("+experiment=tiny", "data.extra_sources=[chatterbot]", run_dir=tmp_path)) \
-        != prepare.fingerprint(cfg)
+    for change in ("data.extra_sources=[chatterbot]", "data.on_leak=drop"):
+        assert prepare.fingerprint(make_cfg("+experiment=tiny", change, run_dir=tmp_path)) != prepare.fingerprint(cfg)
