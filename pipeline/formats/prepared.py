@@ -35,6 +35,19 @@ def save(out: Path, rows: dict, stats: dict) -> None:
     os.replace(tmp, out)
 
 
+def heldout_samples(run_dir: Path | str) -> Optional[list[int]]:
+    """The sample ids data=mix set aside (stats.json `heldout_samples`): train validates on exactly these, never
+    trains on them. None: no prepared folder here (a feature store copied alone); [] (or the key absent, a set
+    prepared before data=mix existed): none set aside, train holds out train.val_fraction by sample."""
+    path = folder(run_dir) / "stats.json"
+    if not path.is_file():
+        return None
+    ids = json.loads(path.read_text()).get("heldout_samples") or []
+    if not all(isinstance(i, int) and i >= 0 for i in ids):
+        raise UserError(f"{path}: heldout_samples must be sample ids (ints >= 0); rerun stage=prepare")
+    return ids
+
+
 def load(run_dir: Path | str, limit: Optional[int] = None):
     """(dataset, stats) of a prepared folder, or a UserError telling which stage to run."""
     import datasets

@@ -16,14 +16,20 @@ from omegaconf import OmegaConf
 from tqdm import tqdm
 
 from pipeline import __version__
-from pipeline.data.regenerate import regenerate
+from pipeline.data import leaks, mixture
+from pipeline.data.regenerate import journal_folder, regenerate
 from pipeline.data.sources import Problems, load_conversations
+from pipeline.data.synthesize import synthesize
+from pipeline.engines import local_server
 from pipeline.errors import UserError
-from pipeline.fingerprint import digest
+from pipeline.fingerprint import digest, shaping
 from pipeline.formats import prepared
 from pipeline.models import targets
 
 log = logging.getLogger(__name__)
+# how the replies are fetched, not what they are (the journal keys them by what shapes them)
+NOT_SHAPING = ("regenerate_endpoint", "regenerate_server", "endpoint_concurrency", "endpoint_timeout_s",
+               "endpoint_retries", "endpoint_backoff_s")
 
 
 def out_dir(cfg) -> Path:
@@ -36,8 +42,13 @@ def check(cfg) -> None:
         problems.append(f"prepare.max_len={cfg.prepare.max_len}: must be >= 2")
     if cfg.prepare.regenerate_endpoint and not cfg.prepare.regenerate:
         problems.append("prepare.regenerate_endpoint is set but prepare.regenerate=false; set regenerate=true")
+    problems += _check_generation(cfg.prepare)
     if cfg.data.limit is not None and cfg.data.limit < 1:
         problems.append(f"data.limit={cfg.data.limit}: must be >= 1 or null")
+    if str(getattr(cfg.data.format, "value", cfg.data.format)) == "mix":
+        problems += mixture.check(cfg.data)
+    elif cfg.data.sources:
+        problems.append(f"data.sources is for data=mix, not data={cfg.data.name}")
     if problems:
         raise UserError("; ".join(problems))
 
@@ -50,8 +61,33 @@ def fingerprint(cfg) -> str:
     if data.get("path") and Path(data["path"]).exists():
         st = Path(data["path"]).stat()
         data["_file"] = [st.st_size, st.st_mtime_ns]
+    for key, default in (("sources", []), ("on_leak", "fail")):  # knobs added later: at their defaults, runs
+        if data.get(key) == default:                            # prepared before stay up to date
+            data.pop(key)
+    for source in data.get("sources", []):
+        if source.get("path") and Path(source["path"]).exists():
+            st = Path(source["path"]).stat()
+            source["_file"] = [st.st_size, st.st_mtime_ns]
     return digest({"target": targets.fingerprint(folder), "data": data, "version": prepared.SCHEMA_VERSION,
-                   "prepare": OmegaConf.to_container(cfg.prepare, resolve=True, enum_to_str=True)})
+                   "prepare": shaping(cfg.prepare, NOT_SHAPING)})
+
+
+def _check_generation(p) -> list[str]:
+    problems = []
+    server = str(getattr(p.regenerate_server.engine, "value", p.regenerate_server.engine))
+    if server != "none" and p.regenerate_endpoint:
+        problems.append(f"prepare.regenerate_server.engine={server} and prepare.regenerate_endpoint are both set; "
+                        "keep one (the server eaglepipe starts becomes the endpoint)")
+    if server != "none" and not p.regenerate:
+        problems.append(f"prepare.regenerate_server.engine={server} but prepare.regenerate=false; set regenerate=true")
+    if p.synthesize < 0:
+        problems.append(f"prepare.synthesize={p.synthesize}: must be >= 0")
+    if p.synthesize and not p.regenerate:
+        problems.append("prepare.synthesize needs prepare.regenerate=true (the target answers its own prompts)")
+    if p.endpoint_concurrency < 1 or p.endpoint_retries < 0:
+        problems.append(f"prepare.endpoint_concurrency={p.endpoint_concurrency} (>= 1), "
+                        f"prepare.endpoint_retries={p.endpoint_retries} (>= 0)")
+    return problems
 
 
 def cut_turns(convs: list[dict], max_turns: int | None) -> int:
@@ -84,10 +120,17 @@ def run(cfg) -> Path:
     if cut:
         log.info("prepare: %d conversations cut after their first %d assistant turns (prepare.max_assistant_turns)",
                  cut, cfg.prepare.max_assistant_turns)
-    regen_stats = regenerate(cfg, folder, tok, convs) if cfg.prepare.regenerate else None
+    convs, leak_report = leaks.check(convs, str(getattr(cfg.data.on_leak, "value", cfg.data.on_leak)))
+    if not convs:
+        raise UserError(f"data={cfg.data.name}: every conversation holds an MT-bench or HumanEval prompt (dropped)")
+    with local_server.serving(cfg.prepare.regenerate_server, folder, journal_folder(cfg) / "server.log",
+                              cfg.prepare.regenerate_model or cfg.target.name) as endpoint:
+        synth_stats = synthesize(cfg, folder, tok, convs, endpoint) if cfg.prepare.synthesize else None
+        regen_stats = regenerate(cfg, folder, tok, convs, endpoint) if cfg.prepare.regenerate else None
 
     rows = {"input_ids": [], "loss_mask": [], "sample_id": [], "source_id": []}
     drops = Problems("skip", "prepare")
+    heldout = []  # sample ids of the conversations data=mix set aside: train validates on exactly these
     truncated = 0
     for conv in tqdm(convs, desc="prepare|tokenize", mininterval=1.0):
         try:
@@ -105,10 +148,13 @@ def run(cfg) -> Path:
         rows["source_id"].append(conv["source_id"])
         rows["input_ids"].append(ids)
         rows["loss_mask"].append(mask)
+        if conv.get("heldout"):
+            heldout.append(rows["sample_id"][-1])
     drops.log_summary()
     if not rows["sample_id"]:
         raise UserError(f"prepare: every conversation was dropped ({drops.as_dict()})")
-    stats = _stats(cfg, folder, tok, rows, problems, drops, truncated, regen_stats)
+    stats = _stats(cfg, folder, tok, rows, problems, drops, truncated, regen_stats) | {"synthesize": synth_stats}
+    stats |= {"leaks": leak_report, "heldout_samples": heldout, "mix": problems.summary}
     prepared.save(out_dir(cfg), rows, stats)
     log.info("prepare: %d samples, %d tokens (%d supervised, %.1f%%), %d truncated -> %s", stats["samples"],
              stats["tokens"], stats["supervised_tokens"], 100 * stats["supervised_tokens"] / stats["tokens"],
@@ -168,5 +214,5 @@ def _stats(cfg, folder, tok, rows, problems, drops, truncated, regen_stats) -> d
         "max_len": cfg.prepare.max_len, "data": cfg.data.name, "samples": len(lengths),
         "tokens": int(lengths.sum()), "supervised_tokens": supervised, "truncated": truncated,
         "length_mean": float(lengths.mean()), "length_max": int(lengths.max()),
-        "skipped_records": problems.as_dict(), "dropped_samples": drops.as_dict(), "regenerate": regen_stats,
+        "skipped_records": problems.as_dict(), "changed_records": dict(problems.changed), "dropped_samples": drops.as_dict(), "regenerate": regen_stats,
     }

