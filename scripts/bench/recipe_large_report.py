@@ -1,0 +1,85 @@
+"""Collects scripts/bench/recipe_large.sh's plan into scripts/bench/results/recipe_large_h200.json (issue #31).
+
+The keys issue #31's bar reads: tau_k3.{heldout,mt_bench,humaneval} (offline, the report half of held-out), acceptance_pos0
+(held-out, k = 3), online.accept_length.<set>, online.graphs_on.speedup_c{1,8,32}, train_tokens, wall_s, commit; and
+beside them what explains them (stage seconds, disk peak, regeneration rate, prepare's counts, train's figures).
+Usage: python scripts/bench/recipe_large_report.py PLAN_DIR [command that ran]
+"""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_json  # noqa: E402
+
+
+def _json(p: Path):
+    return json.loads(p.read_text()) if p.is_file() else None
+
+
+def main(plan: Path, command: str) -> None:
+    run = plan / "run"
+    res = bench_json.header("recipe_large_h200")
+    try:
+        import torch
+        res["device"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+    except ImportError:
+        res["device"] = None
+    res["command"] = command
+    res["commit"] = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip() or None
+    chain = _json(plan / "chain.json") or {}
+    res["wall_s"] = chain.get("wall_s")
+    res["chain_command"] = chain.get("command")
+    res["stage_seconds"] = {k: v.get("seconds") for k, v in (_json(run / "stages.json") or {}).items()}
+    peak = plan / "disk_peak_bytes"
+    res["disk_peak_bytes"] = int(peak.read_text()) if peak.is_file() else None
+    stats = _json(run / "prepared" / "stats.json") or {}
+    res["prepare"] = {k: stats.get(k) for k in ("samples", "tokens", "supervised_tokens", "truncated", "skipped_records",
+                                                "dropped_samples", "regenerate", "mixture", "leaks", "synthesize")}
+    summary = _json(run / "train" / "final" / "train_summary.json") or {}
+    res["train"] = {k: summary.get(k) for k in ("optimizer_steps", "throughput", "peak_memory", "selected", "val_after")}
+    res["train"]["tau_probes"] = [json.loads(x) for x in (run / "train" / "metrics.jsonl").read_text().splitlines()
+                                  if '"tau"' in x] if (run / "train" / "metrics.jsonl").is_file() else []
+    res["train_tokens"] = summary.get("train_tokens")
+    sets = _json(run / "eval" / "sets.json") or {}
+    res["tau_k3"] = {name: (r.get("tau") or {}).get("3") for name, r in sets.items()}
+    res["tau"] = {name: r.get("tau") for name, r in sets.items()}
+    res["teacher_forced_acc_0"] = {name: r.get("teacher_forced_acc_0") for name, r in sets.items()}
+    acc = _json(run / "eval" / "acceptance.json") or {}
+    pos = ((acc.get("trained") or {}).get("3") or {}).get("accept_per_position")
+    res["acceptance_per_position_k3"] = pos
+    res["acceptance_pos0"] = pos[0] if pos else None
+    res["online"] = online(run, sets)
+    out = bench_json.write(res, "recipe_large_h200", Path(__file__).parent / "results")
+    print(json.dumps({k: res[k] for k in ("wall_s", "train_tokens", "tau_k3", "acceptance_pos0", "disk_peak_bytes")}))
+    print(json.dumps(res["online"].get("graphs_on", {})), "->", out)
+
+
+def online(run: Path, sets: dict) -> dict:
+    """Per set: the server's accept length (online.json of eval/<set>/); the speedups of the firm bench."""
+    out: dict = {"accept_length": {}, "graphs_on": {}, "offline_vs_online": {}}
+    for name in sets or ["heldout"]:
+        d = run / "eval" if name == "heldout" else run / "eval" / name
+        o = _json(d / "online.json")
+        if not o:
+            continue
+        al = o["speculative"].get("accept_length")
+        out["accept_length"][name] = al
+        tau3 = (sets.get(name, {}).get("tau") or {}).get("3")
+        if al and tau3:
+            out["offline_vs_online"][name] = al / tau3 - 1
+        for conc, r in (o.get("by_concurrency") or {}).items():
+            if r.get("speedup_median") is not None:
+                out["graphs_on"].setdefault(f"by_set_{name}", {})[f"c{conc}"] = r
+        if name == "heldout":
+            out["servers"] = {side: o.get(side) for side in ("speculative", "baseline")}
+            for conc, r in (o.get("by_concurrency") or {}).items():
+                out["graphs_on"][f"speedup_c{conc}"] = r.get("speedup_median")
+                out["graphs_on"][f"speedup_spread_c{conc}"] = r.get("speedup_spread")
+    return out
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]), sys.argv[2] if len(sys.argv) > 2 else "")
