@@ -57,7 +57,12 @@ case "$1" in
     step report; python3 scripts/bench/recipe_large_report.py $W "bash scripts/bench/recipe_large.sh start"
     touch $W/done; step done;;
   start)
-    rm -f $W/done $W/failed; setsid bash "$0" plan > $W/plan.log 2>&1 < /dev/null & echo $! > $W/plan.pgid
+    # the plan runs from its own copy of the tree: a later device call re-sends the working tree under it
+    # (COMMIT=...: the commit the sent tree is, where the device copy has no .git)
+    rm -rf $W/code; mkdir -p $W/code; tar --exclude=./.gpu --exclude=./.gpu-sgl --exclude=./.git --exclude=./.venv \
+      --exclude=./.venv-engines --exclude=./runs -cf - . | tar -C $W/code -xf -
+    echo "${COMMIT:-$(git rev-parse HEAD 2>/dev/null)}" > $W/code/COMMIT
+    rm -f $W/done $W/failed; (cd $W/code && setsid bash scripts/bench/recipe_large.sh plan > $W/plan.log 2>&1 < /dev/null & echo $! > $W/plan.pgid)
     echo "plan pgid $(cat $W/plan.pgid)";;
   wait)
     for i in $(seq 1 $(( $2 / 5 ))); do { [ -f $W/done ] || [ -f $W/failed ]; } && break; sleep 5; done

@@ -28,7 +28,9 @@ def main(plan: Path, command: str) -> None:
     except ImportError:
         res["device"] = None
     res["command"] = command
-    res["commit"] = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip() or None
+    code = plan / "code" / "COMMIT"  # the runbook's copy of the tree records the commit it was copied at
+    res["commit"] = code.read_text().strip() if code.is_file() else (subprocess.run(
+        ["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip() or None)
     chain = _json(plan / "chain.json") or {}
     res["wall_s"] = chain.get("wall_s")
     res["chain_command"] = chain.get("command")
