@@ -116,6 +116,9 @@ def load(data) -> tuple[list[dict], Problems]:
     for name, r in report.items():
         log.info("mix: %s: %d usable, %d duplicates dropped, %d held out, %d train", name, r["usable"],
                  r["duplicates"], r["heldout"], r["train"])
+    # the sources' held-out conversations interleaved by their hash, not source after source: evaluate's `heldout`
+    # prompts and training's tau probe each take the first of their half, and both must see every source
+    heldout.sort(key=lambda c: rank(key(c), c))
     return heldout + chosen, total
 
 

@@ -89,6 +89,12 @@ def test_heldout_comes_first_and_is_the_same_for_any_limit_seed_or_order(files):
     assert not set(base["a"]) & set(train["a"]) and len(train["a"]) == 10 - 3
     for kw in (dict(limit=2), dict(seed=7), dict(shuffle=False)):
         assert held(source(files[0], "a", heldout=3, limit=1), source(files[1], "b", heldout=2), **kw)[0] == base
+    # the sources' held-out conversations are interleaved (by hash), not one source's block then the next's: the
+    # tau probe and evaluate each take the first of their half of them
+    convs, problems = load_conversations(mix(source(files[0], "a", heldout=5), source(files[1], "b", heldout=5)))
+    order = [c["source"] for c in convs[: problems.summary["heldout"]]]
+    assert order.count("a") == 5 and order.count("b") >= 3
+    assert order != sorted(order) and order != sorted(order, reverse=True)
     # a's held-out set grows by one, the three before stay
     more, _ = held(source(files[0], "a", heldout=4), source(files[1], "b", heldout=2))
     assert set(base["a"]) < set(more["a"])
