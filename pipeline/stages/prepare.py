@@ -103,6 +103,32 @@ def cut_turns(convs: list[dict], max_turns: int | None) -> int:
     return cut
 
 
+def cut_long_prompts(tok, convs: list[dict], max_len: int) -> tuple[list[dict], dict]:
+    """Before regeneration: cut each conversation before its first assistant turn whose prompt (the chat-templated
+    turns before it) holds max_len tokens or more; a conversation left without an assistant turn is dropped.
+    Samples are cut at max_len, so such an answer would never be trained on, and a server refuses a prompt longer
+    than its context (HTTP 400: 19 ShareGPT first turns on the H200, 2026-12-03). Counted, never silent."""
+    kept, cut, dropped = [], 0, 0
+    for c in convs:
+        msgs = c["messages"]
+        for i, m in enumerate(msgs):
+            if m["role"] != "assistant" or i == 0:  # a leading answer: tokenize_with_mask drops it, counted
+                continue
+            prompt = tok.apply_chat_template(msgs[:i], tokenize=False, add_generation_prompt=True)
+            if len(tok(prompt, add_special_tokens=False)["input_ids"]) >= max_len:
+                c["messages"] = msgs[:i]
+                cut += 1
+                break
+        if any(m["role"] == "assistant" for m in c["messages"]):
+            kept.append(c)
+        else:
+            dropped += 1
+    if cut:
+        log.info("prepare: %d conversations cut before an assistant turn whose prompt holds >= prepare.max_len=%d "
+                 "tokens (%d of them left with no assistant turn, dropped)", cut, max_len, dropped)
+    return kept, {"cut": cut, "dropped": dropped, "max_len": max_len}
+
+
 def is_complete(cfg) -> bool:
     return (out_dir(cfg) / "stats.json").is_file()
 
@@ -124,9 +150,14 @@ def run(cfg) -> Path:
     if not convs:
         raise UserError(f"data={cfg.data.name}: every conversation holds an MT-bench or HumanEval prompt (dropped)")
     with local_server.serving(cfg.prepare.regenerate_server, folder, journal_folder(cfg) / "server.log",
-                              cfg.prepare.regenerate_model or cfg.target.name) as endpoint:
+                              cfg.prepare.regenerate_model or cfg.target.name,
+                              cfg.prepare.endpoint_concurrency) as endpoint:
         synth_stats = synthesize(cfg, folder, tok, convs, endpoint) if cfg.prepare.synthesize else None
-        regen_stats = regenerate(cfg, folder, tok, convs, endpoint) if cfg.prepare.regenerate else None
+        if cfg.prepare.regenerate:
+            convs[:], long_prompts = cut_long_prompts(tok, convs, cfg.prepare.max_len)
+            regen_stats = regenerate(cfg, folder, tok, convs, endpoint) | {"long_prompts": long_prompts}
+        else:
+            regen_stats = None
 
     rows = {"input_ids": [], "loss_mask": [], "sample_id": [], "source_id": []}
     drops = Problems("skip", "prepare")

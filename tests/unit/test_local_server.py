@@ -53,6 +53,10 @@ def test_launch_lines_for_the_engines_use_the_target_folder_port_and_extra_args(
         sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(tmp_path), "--host", "127.0.0.1",
         "--port", "8000"]
     assert local_server.launch_line(vl, tmp_path, 8000, "smol")[-2:] == ["--served-model-name", "smol"]  # vLLM 404s others
+    # SGLang's decode graphs cover the batch prepare keeps in flight, unless the user's args set it
+    assert local_server.launch_line(sg, tmp_path, 1, None, 256)[-4:] == ["--cuda-graph-max-bs", "256", "--tp-size", "8"]
+    own = server_cfg(engine=ServerEngine.sglang, args=["--cuda-graph-max-bs", "64"])
+    assert local_server.launch_line(own, tmp_path, 1, None, 256).count("--cuda-graph-max-bs") == 1
     with pytest.raises(UserError, match="engine=command needs prepare.regenerate_server.command"):
         local_server.launch_line(server_cfg(engine=ServerEngine.command), tmp_path, 1)
 

@@ -186,3 +186,18 @@ def test_how_replies_are_fetched_is_not_in_prepares_fingerprint_what_shapes_them
         assert prepare.fingerprint(make_cfg(*base, same, run_dir=tmp_path)) == fp, same
     for other in ("prepare.max_new_tokens=7", "prepare.on_failed_request=drop", "prepare.synthesize=3"):
         assert prepare.fingerprint(make_cfg(*base, other, run_dir=tmp_path)) != fp, other
+
+
+def test_a_prompt_of_max_len_tokens_or_more_is_never_sent_and_its_conversation_is_cut_with_a_count(run):
+    """A turn whose prompt holds >= prepare.max_len tokens would never be trained on (samples are cut there), and a
+    server refuses one longer than its context (HTTP 400 on the H200): the conversation is cut before it, or dropped
+    when nothing is left, and counted; the server never sees that prompt."""
+    server = ts.start()
+    ds, stats = run("long", server.url, "prepare.max_len=40")
+    server.shutdown()
+    longest = max(len(json.dumps(p["messages"])) for p in server.posts)
+    lp = stats["regenerate"]["long_prompts"]
+    assert lp["max_len"] == 40 and lp["cut"] > 0 and lp["cut"] >= lp["dropped"]
+    assert len(server.posts) < TURNS and stats["regenerate"]["requests"] == len(server.posts)
+    assert stats["regenerate"]["failures"] == {} and longest < 400
+    assert len(ds) == len(CONVS) - lp["dropped"]
