@@ -105,7 +105,7 @@ class DataConfig:
     on_leak: OnLeak = OnLeak.fail  # a user turn that is (nearly) an MT-bench or HumanEval prompt: fail | drop | allow
 
 
-class ServerEngine(str, Enum):  # the OpenAI-compatible server prepare starts (pipeline/engines/local_server.py)
+class ServerEngine(str, Enum):  # the OpenAI-compatible server prepare starts (pipeline/serving/regenerate_server.py)
     none = "none"  # start nothing: prepare.regenerate_endpoint, or local HF generate
     sglang = "sglang"  # python -m sglang.launch_server --model-path <target folder> ...
     vllm = "vllm"  # python -m vllm.entrypoints.openai.api_server --model <target folder> ...

@@ -57,18 +57,19 @@ class Server:
             f" ({self.log_path})"
 
 
-def start(argv: list[str], port: int, log_path: Path, timeout_s: float) -> tuple[Server, str | None]:
-    """Start argv (its --host/--port already set to 127.0.0.1:port) in a new session and wait for GET /health.
-    (server, None) once healthy; (server, reason) if it exited or was not healthy within timeout_s (then it is
-    already stopped)."""
+def start(argv: list[str], port: int, log_path: Path, timeout_s: float, env: dict | None = None,
+          host: str = "127.0.0.1", timeout_knob: str = "tune.start_timeout_s") -> tuple[Server, str | None]:
+    """Start argv (its --host/--port already set to host:port) in a new session, with `env` added to this
+    environment, and wait for GET /health. (server, None) once healthy; (server, reason) if it exited or was not
+    healthy within timeout_s (then it is already stopped); the reason names `timeout_knob`."""
     import httpx
 
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    server = Server(argv, f"http://127.0.0.1:{port}", log_path)
+    server = Server(argv, f"http://{host}:{port}", log_path)
     with open(log_path, "wb") as out:
         try:
             server.proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                           start_new_session=True)
+                                           start_new_session=True, env={**os.environ, **(env or {})})
         except OSError as e:  # no such program: the launch line's (tune.launch_prefix) first word
             return server, f"cannot run {argv[0]!r}: {e.strerror}"
     log.info("server (pgid %d) starting: %s", server.pgid, " ".join(argv))
@@ -84,7 +85,8 @@ def start(argv: list[str], port: int, log_path: Path, timeout_s: float) -> tuple
             pass
         time.sleep(0.2)
     stop(server)
-    return server, f"not healthy within {timeout_s:.0f} s (tune.start_timeout_s); its log: {server.log_path}"
+    return server, f"not healthy within {timeout_s:.0f} s ({timeout_knob}); its log ends: {server.log_tail()} " \
+                   f"({server.log_path})"
 
 
 def stop(server: Server, grace_s: float = 30.0) -> None:

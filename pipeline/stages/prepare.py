@@ -20,7 +20,7 @@ from pipeline.data import leaks, mixture
 from pipeline.data.regenerate import journal_folder, regenerate
 from pipeline.data.sources import Problems, load_conversations
 from pipeline.data.synthesize import synthesize
-from pipeline.engines import local_server
+from pipeline.serving import regenerate_server
 from pipeline.errors import UserError
 from pipeline.fingerprint import digest, shaping
 from pipeline.formats import prepared
@@ -149,7 +149,7 @@ def run(cfg) -> Path:
     convs, leak_report = leaks.check(convs, str(getattr(cfg.data.on_leak, "value", cfg.data.on_leak)))
     if not convs:
         raise UserError(f"data={cfg.data.name}: every conversation holds an MT-bench or HumanEval prompt (dropped)")
-    with local_server.serving(cfg.prepare.regenerate_server, folder, journal_folder(cfg) / "server.log",
+    with regenerate_server.serving(cfg.prepare.regenerate_server, folder, journal_folder(cfg) / "server.log",
                               cfg.prepare.regenerate_model or cfg.target.name,
                               cfg.prepare.endpoint_concurrency) as endpoint:
         synth_stats = synthesize(cfg, folder, tok, convs, endpoint) if cfg.prepare.synthesize else None

@@ -1,4 +1,4 @@
-"""The server prepare starts (pipeline/engines/local_server.py), on CPU: its launch line, readiness, and that
+"""The server prepare starts (pipeline/serving/regenerate_server.py), on CPU: its launch line, readiness, and that
 exactly its process group is stopped on every way out. The "engine" is tests/openai_test_server.py run through
 `engine=command` (the external boundary: any OpenAI-compatible server's launch line)."""
 
@@ -16,7 +16,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from pipeline.config import RegenerateServerConfig, ServerEngine
-from pipeline.engines import local_server
+from pipeline.serving import regenerate_server as local_server
 from pipeline.errors import UserError
 
 SERVER = str(Path(__file__).resolve().parents[1] / "openai_test_server.py")
@@ -84,7 +84,7 @@ def test_an_exception_in_the_block_stops_the_server_and_propagates(tmp_path):
 def test_sigterm_to_eaglepipe_stops_the_server_it_started(tmp_path):
     log = tmp_path / "server.log"
     code = ("import sys, time; from pathlib import Path; from omegaconf import OmegaConf;"
-            "from pipeline.config import RegenerateServerConfig; from pipeline.engines import local_server;"
+            "from pipeline.config import RegenerateServerConfig; from pipeline.serving import regenerate_server as local_server;"
             f"sc = OmegaConf.structured(RegenerateServerConfig(engine='command', command=json_cmd));"
             f"cm = local_server.serving(sc, Path('.'), Path({str(log)!r}));"
             "url = cm.__enter__(); print('ready', flush=True); time.sleep(60)")
@@ -99,7 +99,7 @@ def test_sigterm_to_eaglepipe_stops_the_server_it_started(tmp_path):
 
 def test_a_server_that_exits_before_ready_is_one_line_with_its_log(tmp_path):
     sc = server_cfg(engine=ServerEngine.command, command=["{python}", "-c", "print('CUDA out of memory'); raise SystemExit(3)"])
-    with pytest.raises(UserError, match=r"exited with code 3 before it was ready; last lines of .*CUDA out of memory"):
+    with pytest.raises(UserError, match=r"regenerate server: exited with code 3; its log ends: CUDA out of memory"):
         with local_server.serving(sc, tmp_path, tmp_path / "server.log"):
             pass
 
@@ -108,7 +108,7 @@ def test_a_server_not_ready_in_time_is_stopped_and_named_with_its_log(tmp_path):
     sc = server_cfg(engine=ServerEngine.command, startup_timeout_s=1,
                     command=["{python}", "-c", "import os, time; print('loading', os.getpid(), flush=True); time.sleep(60)"])
     t = time.monotonic()
-    with pytest.raises(UserError, match=r"not ready after 1 s .*startup_timeout_s.*loading") as e:
+    with pytest.raises(UserError, match=r"not healthy within 1 s \(prepare.regenerate_server.startup_timeout_s\); its log ends: loading") as e:
         with local_server.serving(sc, tmp_path, tmp_path / "server.log"):
             pass
     assert gone(int(str(e.value).split("loading ")[1].split()[0])) and time.monotonic() - t < 15
