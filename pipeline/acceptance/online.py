@@ -30,6 +30,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from pipeline.errors import UserError
+from pipeline.serving.clients import ThreadClients
 
 log = logging.getLogger(__name__)
 VLLM_COUNTERS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
@@ -185,8 +186,10 @@ def one_pass(client, server: dict, prompts: list[list[int]], max_new: int, concu
     url, engine = server["endpoint"], server["engine"]
     before = vllm_counters(client, url) if engine == "vllm" else None
     t0 = time.perf_counter()
-    with ThreadPoolExecutor(concurrency) as pool:
-        results = list(pool.map(lambda p: _generate(client, url, engine, server["model"], p, max_new), prompts))
+    # one client per sending thread (pipeline/serving/clients.py): a shared pool would cap what the bench can ask
+    timeout_s = getattr(getattr(client, "timeout", None), "read", None) or 300.0
+    with ThreadClients(timeout_s) as clients, ThreadPoolExecutor(concurrency) as pool:
+        results = list(pool.map(lambda p: _generate(clients.get(), url, engine, server["model"], p, max_new), prompts))
     wall = time.perf_counter() - t0
     tokens = sum(r["completion_tokens"] for r in results)
     out = {"requests": len(results), "completion_tokens": tokens, "wall_s": wall,

@@ -27,6 +27,7 @@ from pipeline.data.journal import Journal, key
 from pipeline.errors import UserError
 from pipeline.fingerprint import digest
 from pipeline.models import targets
+from pipeline.serving.clients import ThreadClients
 
 log = logging.getLogger(__name__)
 
@@ -99,25 +100,15 @@ class EndpointClient:
 
         self.base, self.model, self.tok, self.p = base.rstrip("/"), model, tok, p
         self.lock = threading.Lock()
-        self._local, self._clients = threading.local(), []
+        self._clients = ThreadClients(p.endpoint_timeout_s)
         self.counts = Counter()  # requests, retries, empty_replies
         self.down = threading.Event()
         self.probe_or_fail()
 
     @property
     def http(self):
-        """This thread's own connection (one httpx.Client per worker thread). One client shared by hundreds of
-        threads serialised them on its connection pool: on the H200 SGLang then saw 1-10 running requests of the
-        512 asked for most of the time (7.7K tokens/s); a local test server measured 34 of 512 in flight on
-        average through one shared client and 128 through one per thread (scripts/bench/regenerate_client.py)."""
-        import httpx
-
-        c = getattr(self._local, "client", None)
-        if c is None:
-            c = self._local.client = httpx.Client(timeout=self.p.endpoint_timeout_s)
-            with self.lock:
-                self._clients.append(c)
-        return c
+        """This thread's own httpx client (pipeline/serving/clients.py says why not one shared client)."""
+        return self._clients.get()
 
     def probe_or_fail(self) -> None:
         """An endpoint that answers nothing at all (any HTTP status is an answer) is one line, before any work."""
@@ -199,10 +190,7 @@ class EndpointClient:
         return text, int(tokens) if isinstance(tokens, int) else self.tokens_of(text)
 
     def close(self) -> None:
-        with self.lock:
-            clients, self._clients = self._clients, []
-        for c in clients:
-            c.close()
+        self._clients.close()
 
 
 class Progress:

@@ -122,6 +122,12 @@ class Ctx:
     def __exit__(self, *exc):
         return False
 
+    def __getattr__(self, name):  # used without `with` too (the bench's per-thread clients)
+        return getattr(self.client, name)
+
+    def close(self):
+        pass
+
 
 def test_first_answers_for_a_second_turn_come_from_the_server_in_prompt_order(monkeypatch):
     """eval.endpoint with mt_bench_turn2: the served target's greedy answer to each first turn, in prompt order,
