@@ -6,7 +6,10 @@
 #   bash scripts/bench/recipe_large.sh start          # the plan in its own session (setsid); returns at once
 #   bash scripts/bench/recipe_large.sh wait SECONDS   # until the plan is done or failed, or SECONDS passed
 #   bash scripts/bench/recipe_large.sh collect        # results JSON + logs into $OUT
-# The plan's state lives in /tmp/recipe_large (the machine's /tmp lives while it is warm).
+# The plan's state lives in /tmp/recipe_large (the machine's /tmp lives while it is warm). SERVE=0: the chain only.
+# Device time measured on 2026-12-03 (BENCHMARKS.md, "Ten times the data"): the five bundle calls and the plan's start
+# took 158 s; SGLang's start 140 s; regeneration of 21,844 requests 689 s with the client of then (one shared httpx
+# client; fixed since). Budget the rest from BENCHMARKS' rates: extract ~87K tokens/s, train TTT 5 ~60K tokens/s.
 set -u
 W=/tmp/recipe_large; R=$W/run; mkdir -p $W
 SGL_PATH="/tmp/sgl-site:/tmp/site:$PWD"
@@ -42,6 +45,9 @@ case "$1" in
     grep -aE "stage .*done|error|Error" $W/chain.log | tail -12
     [ $rc -eq 0 ] || { echo "CHAIN FAILED rc=$rc"; tail -20 $W/chain.log; touch $W/failed; exit 1; }
     touch $W/chain.done
+    # the offline figures first: a device lease that ends during serving still brings them back (collect)
+    python3 scripts/bench/recipe_large_report.py $W "bash scripts/bench/recipe_large.sh start" > $W/report_offline.log 2>&1
+    [ "${SERVE:-1}" = 1 ] || { touch $W/done; step "done (SERVE=0: no serving)"; exit 0; }
     T=$(python3 -c "import json; print(json.load(open('$R/features/manifest.json'))['facts']['target_path'])")
     step serve-baseline
     start_server base 30001 "python -m sglang.launch_server --model-path $T --dtype bfloat16 --attention-backend triton \
