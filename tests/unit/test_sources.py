@@ -205,3 +205,17 @@ def test_sharegpt_without_a_path_reads_the_wheel_and_recovers_its_cut_file():
     assert problems.changed == {"leading assistant turns removed (no user turn before them)": 6358}
     assert all(c["messages"][0]["role"] in ("user", "system") for c in convs)
     assert problems.counts["empty conversation"] == 126 and problems.counts["no assistant turn"] == 17 + 136
+
+
+def test_answers_before_the_first_user_turn_are_removed_and_counted_the_rest_kept():
+    """ShareGPT V3's split starts 6,358 pieces with an answer to a question they do not hold: nothing to regenerate
+    it from, and a template that starts with an assistant turn fails the mask. Removed and counted; system kept."""
+    from pipeline.data.sources import Problems, normalise
+
+    problems = Problems("fail", "t")  # a change is not a bad record: on_error=fail does not stop at it
+    conv = normalise({"conversations": [{"from": "system", "value": "be brief"}, {"from": "gpt", "value": "tail"},
+                                        {"from": "human", "value": "q"}, {"from": "gpt", "value": "a"}]}, "r0", problems)
+    assert [m["role"] for m in conv["messages"]] == ["system", "user", "assistant"]
+    assert normalise({"conversations": [{"from": "gpt", "value": "only an answer"}]}, "r1", Problems("skip", "t")) is None
+    assert problems.changed == {"leading assistant turns removed (no user turn before them)": 1}
+    assert not problems.counts
