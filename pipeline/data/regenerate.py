@@ -81,6 +81,21 @@ def regenerate(cfg, folder: Path, tok, convs: list[dict], endpoint: str | None =
     return stats
 
 
+def prompt_too_long(tok, messages: list[dict], max_len: int, lock=None) -> bool:
+    """The chat-templated prompt holds max_len tokens or more: its answer would be cut away from the sample, and a
+    server refuses a prompt past its context. Checked on the prompt as sent (after earlier turns were regenerated);
+    prepare.cut_long_prompts already checked every first turn."""
+    import contextlib
+
+    with lock or contextlib.nullcontext():  # a fast tokenizer is not to be shared by threads unguarded
+        text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return len(tok(text, add_special_tokens=False)["input_ids"]) >= max_len
+
+
+def _first_answer(msgs: list[dict]) -> int:
+    return next((i for i, m in enumerate(msgs) if m["role"] == "assistant"), -1)
+
+
 def turn_key(conv: dict, i: int) -> str:
     return key("turn", conv["source_id"], i, digest(conv["messages"][:i]))
 
@@ -223,11 +238,17 @@ def _over_endpoint(cfg, client: EndpointClient, convs: list[dict], journal: Jour
 
     def one(conv: dict) -> None:
         msgs = conv["messages"]
+        first = _first_answer(msgs)
         for i, m in enumerate(msgs):
             if m["role"] != "assistant":
                 continue
             k = turn_key(conv, i)
             rec = journal.get(k)
+            if rec is None and i > first and prompt_too_long(client.tok, msgs[:i], p.max_len, client.lock):
+                conv["messages"] = msgs[:i]  # this turn and the ones after it are never asked, counted below
+                with lock:
+                    tally["cut_long"] += 1
+                break
             if rec is None:
                 seed = int(key(k, cfg.seed)[:8], 16) if p.temperature > 0 else None
                 try:
@@ -256,6 +277,7 @@ def _over_endpoint(cfg, client: EndpointClient, convs: list[dict], journal: Jour
         client.close()
         figures = progress.close()
     stats = {"backend": f"endpoint {client.base}", "turns_replaced": tally["replaced"],
+             "cut_at_a_long_prompt": tally["cut_long"],
              "turns_from_journal": tally["from_journal"], **figures, "requests": client.counts["requests"],
              "retries": client.counts["retries"], "empty_replies": client.counts["empty_replies"],
              "failures": dict(sorted(Counter(failed.values()).items())), "dropped_conversations": 0}
@@ -283,13 +305,18 @@ def _locally(cfg, folder: Path, tok, convs: list[dict], journal: Journal) -> dic
     progress = Progress("prepare|regenerate (local)", len(convs))
     generate = None
     rounds = max((sum(m["role"] == "assistant" for m in c["messages"]) for c in convs), default=0)
-    replaced = from_journal = empty = 0
+    replaced = from_journal = empty = cut_long = 0
     for r in range(rounds):
         todo = []  # (conversation, index of its r-th assistant turn, key)
         for c in convs:
             idx = [i for i, m in enumerate(c["messages"]) if m["role"] == "assistant"]
             if r < len(idx):
-                todo.append((c, idx[r], turn_key(c, idx[r])))
+                k = turn_key(c, idx[r])
+                if r and journal.get(k) is None and prompt_too_long(tok, c["messages"][:idx[r]], cfg.prepare.max_len):
+                    c["messages"] = c["messages"][: idx[r]]  # never generated (see prompt_too_long), counted
+                    cut_long += 1
+                    continue
+                todo.append((c, idx[r], k))
         missing = [t for t in todo if journal.get(t[2]) is None]
         from_journal += len(todo) - len(missing)
         if missing:
@@ -307,7 +334,8 @@ def _locally(cfg, folder: Path, tok, convs: list[dict], journal: Journal) -> dic
             empty += not text
         progress.add(items=sum(1 for c in convs if sum(m["role"] == "assistant" for m in c["messages"]) == r + 1))
     figures = progress.close()
-    return {"backend": "local HF generate", "turns_replaced": replaced, "turns_from_journal": from_journal,
+    return {"backend": "local HF generate", "turns_replaced": replaced, "cut_at_a_long_prompt": cut_long,
+            "turns_from_journal": from_journal,
             **figures, "requests": 0, "retries": 0, "empty_replies": empty, "failures": {},
             "dropped_conversations": 0}
 

@@ -74,16 +74,20 @@ def start(argv: list[str], port: int, log_path: Path, timeout_s: float, env: dic
             return server, f"cannot run {argv[0]!r}: {e.strerror}"
     log.info("server (pgid %d) starting: %s", server.pgid, " ".join(argv))
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if not server.alive():
-            stop(server)  # its children too, if the leader left any
-            return server, server.why_dead()
-        try:
-            if httpx.get(server.url + "/health", timeout=5).status_code == 200:
-                return server, None
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
+    try:
+        while time.monotonic() < deadline:
+            if not server.alive():
+                stop(server)  # its children too, if the leader left any
+                return server, server.why_dead()
+            try:
+                if httpx.get(server.url + "/health", timeout=5).status_code == 200:
+                    return server, None
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+    except BaseException:  # Ctrl-C or SIGTERM (sigterm_unwinds) while it starts: the caller has no handle yet
+        stop(server)
+        raise
     stop(server)
     return server, f"not healthy within {timeout_s:.0f} s ({timeout_knob}); its log ends: {server.log_tail()} " \
                    f"({server.log_path})"

@@ -186,10 +186,10 @@ def _sets_table(cfg) -> None:
     (out_dir(cfg) / name).write_text(json.dumps(rows, indent=1))
 
 
-def heldout_prompts(cfg, store, n: int, prompt_tokens: int) -> list[list[int]]:
+def heldout_prompts(cfg, store, n: int, prompt_tokens: int, half: str = "report") -> list[list[int]]:
     """Prefixes of the validation samples train held out (train_summary.json's `val_samples`), report half
-    (prompt_sets.selection_and_report), up to their first supervised token, i.e. up to where the assistant starts
-    answering; at most prompt_tokens long."""
+    (prompt_sets.selection_and_report; `half="selection"`: the other one, where choices are made), up to their
+    first supervised token, i.e. up to where the assistant starts answering; at most prompt_tokens long."""
     summary = RunDir.of(cfg).final / "train_summary.json"
     val = json.loads(summary.read_text()).get("val_samples") if summary.is_file() else None
     if val is None:  # a draft trained before train recorded its split: the same seeded split, recomputed
@@ -198,7 +198,8 @@ def heldout_prompts(cfg, store, n: int, prompt_tokens: int) -> list[list[int]]:
     if not val:
         raise UserError(f"{summary.parent} was trained with no held-out samples (train.val_fraction=0): evaluate "
                         "prompts only from samples the draft never saw; retrain with train.val_fraction > 0")
-    _, report = prompt_sets.selection_and_report(val)  # never the half the tau probe chose a checkpoint on
+    selection, report = prompt_sets.selection_and_report(val)  # evaluate: never the half choices were made on
+    report = selection if half == "selection" else report
     prompts = prompt_sets.before_answer(store, report, n, prompt_tokens)
     if len(prompts) < n:
         log.warning("evaluate: heldout has %d prompts of the %d asked (%d held-out samples, half of them kept for "

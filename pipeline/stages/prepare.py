@@ -152,7 +152,13 @@ def run(cfg) -> Path:
     with regenerate_server.serving(cfg.prepare.regenerate_server, folder, journal_folder(cfg) / "server.log",
                               cfg.prepare.regenerate_model or cfg.target.name,
                               cfg.prepare.endpoint_concurrency) as endpoint:
-        synth_stats = synthesize(cfg, folder, tok, convs, endpoint) if cfg.prepare.synthesize else None
+        synth_stats = None
+        if cfg.prepare.synthesize:
+            n = len(convs)
+            synth_stats = synthesize(cfg, folder, tok, convs, endpoint)
+            # a prompt the target wrote is checked as the data's were (it can recite a HumanEval prompt)
+            convs[n:], synth_stats["leaks"] = leaks.check(convs[n:], str(getattr(cfg.data.on_leak, "value",
+                                                                                 cfg.data.on_leak)))
         if cfg.prepare.regenerate:
             convs[:], long_prompts = cut_long_prompts(tok, convs, cfg.prepare.max_len)
             regen_stats = regenerate(cfg, folder, tok, convs, endpoint) | {"long_prompts": long_prompts}

@@ -63,14 +63,13 @@ def export_folder(cfg) -> Path:
 
 
 def bench_prompts(cfg) -> list[list[int]]:
-    """The prompts of eval.sets, as evaluate builds them (held-out samples, standard sets), one list."""
+    """The selection half of the held-out samples (prompt_sets.selection_and_report), never the prompts evaluate
+    reports on: the winner is the best of noisy measurements, and measured again on the prompts it won on it would
+    overstate (the same rule as train.select=tau). eval.sets' standard sets are evaluate's alone."""
     from pipeline.stages import evaluate
 
-    store, e, prompts = features.open_source(cfg), cfg.eval, []
-    for name in e.sets:
-        prompts += (evaluate.heldout_prompts(cfg, store, e.num_prompts, e.prompt_tokens) if name == prompt_sets.HELDOUT
-                    else evaluate.set_prompts(cfg, store, name, e.num_prompts, e.prompt_tokens))
-    return prompts
+    store, e = features.open_source(cfg), cfg.eval
+    return evaluate.heldout_prompts(cfg, store, e.num_prompts, e.prompt_tokens, half="selection")
 
 
 def run(cfg) -> Path:

@@ -39,7 +39,9 @@ def main(plan: Path, command: str) -> None:
     res["disk_peak_bytes"] = int(peak.read_text()) if peak.is_file() else None
     stats = _json(run / "prepared" / "stats.json") or {}
     res["prepare"] = {k: stats.get(k) for k in ("samples", "tokens", "supervised_tokens", "truncated", "skipped_records",
-                                                "dropped_samples", "regenerate", "mixture", "leaks", "synthesize")}
+                                                "dropped_samples", "changed_records", "regenerate", "mix", "leaks",
+                                                "synthesize")}
+    res["prepare"]["heldout_samples"] = len(stats.get("heldout_samples") or [])
     summary = _json(run / "train" / "final" / "train_summary.json") or {}
     res["train"] = {k: summary.get(k) for k in ("optimizer_steps", "throughput", "peak_memory", "selected", "val_after")}
     res["train"]["tau_probes"] = [json.loads(x) for x in (run / "train" / "metrics.jsonl").read_text().splitlines()

@@ -188,16 +188,21 @@ def test_how_replies_are_fetched_is_not_in_prepares_fingerprint_what_shapes_them
         assert prepare.fingerprint(make_cfg(*base, other, run_dir=tmp_path)) != fp, other
 
 
-def test_a_prompt_of_max_len_tokens_or_more_is_never_sent_and_its_conversation_is_cut_with_a_count(run):
+def test_a_prompt_of_max_len_tokens_or_more_is_never_sent_and_its_conversation_is_cut_with_a_count(run, tiny_folder):
     """A turn whose prompt holds >= prepare.max_len tokens would never be trained on (samples are cut there), and a
     server refuses one longer than its context (HTTP 400 on the H200): the conversation is cut before it, or dropped
-    when nothing is left, and counted; the server never sees that prompt."""
+    when nothing is left, and counted; the server never sees such a prompt, also on a later turn whose prompt grew
+    long only through the regenerated answers before it."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_folder)
     server = ts.start()
-    ds, stats = run("long", server.url, "prepare.max_len=40")
+    ds, stats = run("long", server.url, "prepare.max_len=45")
     server.shutdown()
-    longest = max(len(json.dumps(p["messages"])) for p in server.posts)
-    lp = stats["regenerate"]["long_prompts"]
-    assert lp["max_len"] == 40 and lp["cut"] > 0 and lp["cut"] >= lp["dropped"]
-    assert len(server.posts) < TURNS and stats["regenerate"]["requests"] == len(server.posts)
-    assert stats["regenerate"]["failures"] == {} and longest < 400
-    assert len(ds) == len(CONVS) - lp["dropped"]
+    lengths = [len(tok(tok.apply_chat_template(p["messages"], tokenize=False, add_generation_prompt=True),
+                       add_special_tokens=False)["input_ids"]) for p in server.posts]
+    r = stats["regenerate"]
+    assert lengths and max(lengths) < 45
+    assert r["cut_at_a_long_prompt"] > 0  # later turns that grew long through regenerated answers
+    assert r["failures"] == {} and r["requests"] == len(server.posts) < TURNS
+    assert len(ds) == len(CONVS) - r["long_prompts"]["dropped"]

@@ -95,3 +95,25 @@ def test_prepare_synthesize_adds_the_kept_prompts_answered_by_the_target(make_cf
     chats = [p["messages"] for p in server.posts if "messages" in p]
     assert {m[0]["content"] for m in chats} == {ts.SYNTH_TEXTS[0], ts.SYNTH_TEXTS[5], ts.SYNTH_TEXTS[2]}
     assert len(server.posts) == 6 + 3
+
+
+def test_a_synthesized_prompt_that_recites_an_eval_prompt_is_checked_like_the_data(make_cfg, tmp_path, tiny_folder,
+                                                                                  monkeypatch):
+    """The target can write an MT-bench question as its 'own' prompt: the leak check runs on synthesized prompts
+    too (data.on_leak=drop here: dropped and counted in synthesize's own leak report)."""
+    from pipeline.data import leaks
+
+    question = leaks.eval_prompts()[0][1]
+    monkeypatch.setattr(ts, "SYNTH_TEXTS", [question, "Can you write a short poem about the sea and the wind?"])
+    (tmp_path / "d.jsonl").write_text(json.dumps({"id": "c0", "messages": [
+        {"role": "user", "content": "Explain how a rainbow forms after the rain."},
+        {"role": "assistant", "content": "old"}]}) + "\n")
+    server = ts.start()
+    cfg = make_cfg("target=tiny", "data=messages", f"data.path={tmp_path / 'd.jsonl'}", "prepare.regenerate=true",
+                   f"prepare.regenerate_endpoint={server.url}", "prepare.synthesize=2", "data.on_leak=drop",
+                   run_dir=tmp_path / "r")
+    prepare.run(cfg)
+    server.shutdown()
+    ds, stats = load_prepared(tmp_path / "r")
+    assert stats["synthesize"]["leaks"]["dropped"] == 1 and stats["synthesize"]["kept"] == 2
+    assert sorted(ds["source_id"]) == ["c0", "synth:1"]
