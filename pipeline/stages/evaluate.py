@@ -191,7 +191,12 @@ def heldout_prompts(cfg, store, n: int, prompt_tokens: int, half: str = "report"
     (prompt_sets.selection_and_report; `half="selection"`: the other one, where choices are made), up to their
     first supervised token, i.e. up to where the assistant starts answering; at most prompt_tokens long."""
     summary = RunDir.of(cfg).final / "train_summary.json"
-    val = json.loads(summary.read_text()).get("val_samples") if summary.is_file() else None
+    facts = json.loads(summary.read_text()) if summary.is_file() else {}
+    val = facts.get("val_samples")
+    if (facts.get("selected") or {}).get("by") == "tau" and "tau_probe_half" not in facts:
+        log.warning("evaluate: %s chose its checkpoint by tau on ALL held-out prompts (trained before the probe kept "
+                    "to one half): the heldout tau below is measured on prompts the choice was made on and "
+                    "overstates; retrain (train.resume=never) for a figure that does not", summary.parent)
     if val is None:  # a draft trained before train recorded its split: the same seeded split, recomputed
         log.warning("evaluate: %s records no val_samples; recomputing the split from train.val_fraction", summary)
         val = split(len(store), cfg.train.val_fraction, cfg.seed)[1].tolist()

@@ -643,6 +643,7 @@ def _finish(accelerator, model, cfg, root: Path, step: int, final_val: dict, ups
                "val_before": first_val, "val_after": final_val,
                "val_samples": [int(i) for i in plan.val_idx],  # held out by sample; evaluate prompts from these
                "train_samples": len(plan.train_idx), "train_tokens": plan.train_tokens,
+               "tau_probe_half": "selection",  # prompt_sets.selection_and_report: evaluate reports on the other
                "split_by_tokens_per_pack": plan.split, "throughput": _throughput(rows),
                "peak_memory": _peak_memory(accelerator.device),
                "world_size": accelerator.num_processes, "grad_accum": cfg.train.grad_accum,
