@@ -71,7 +71,9 @@ def preflight(cfg, names: list[str]) -> None:
     """Every selected stage's check(cfg), all before the first stage starts: `stage=all` with a bad eval or
     export setting stops in a second, not after hours of extract and train; every problem in one line."""
     problems = _resume_conflicts(cfg, names)
-    if {"train", "evaluate"} <= set(names) and cfg.train.val_fraction == 0:
+    mix_heldout = str(getattr(cfg.data.format, "value", cfg.data.format)) == "mix" and any(
+        s.heldout > 0 for s in cfg.data.sources)  # data=mix: train validates on the sources' held-out sets instead
+    if {"train", "evaluate"} <= set(names) and cfg.train.val_fraction == 0 and not mix_heldout:
         problems.append("train.val_fraction=0 holds out no samples, and evaluate prompts only from held-out ones: "
                         "set train.val_fraction > 0, or run the stages up to export")
     for name in names:

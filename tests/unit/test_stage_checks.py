@@ -68,6 +68,17 @@ def test_stage_all_with_no_held_out_samples_is_refused_before_anything_runs(make
     assert not (tmp_path / "r").exists()
 
 
+def test_val_fraction_0_with_data_mix_held_out_sets_is_not_refused(make_cfg, tmp_path):
+    """data=mix holds out conversations per source and train validates on exactly those: val_fraction is unused."""
+    from pipeline.runner import preflight
+
+    preflight(make_cfg("+experiment=tiny", "data=mix", "train.val_fraction=0", run_dir=tmp_path / "r"),
+              ["train", "evaluate"])
+    with pytest.raises(UserError, match="train.val_fraction=0 holds out no samples"):
+        preflight(make_cfg("+experiment=tiny", "data=mix", "train.val_fraction=0",
+                           "data.sources=[{format:chitchat,heldout:0}]", run_dir=tmp_path / "r"), ["train", "evaluate"])
+
+
 def test_evaluate_of_a_draft_trained_without_held_out_samples_names_val_fraction_not_prompt_tokens(make_cfg, tmp_path):
     import json
 
