@@ -71,8 +71,7 @@ def preflight(cfg, names: list[str]) -> None:
     """Every selected stage's check(cfg), all before the first stage starts: `stage=all` with a bad eval or
     export setting stops in a second, not after hours of extract and train; every problem in one line."""
     problems = _resume_conflicts(cfg, names)
-    mix_heldout = str(getattr(cfg.data.format, "value", cfg.data.format)) == "mix" and any(
-        s.heldout > 0 for s in cfg.data.sources)  # data=mix: train validates on the sources' held-out sets instead
+    mix_heldout = _mix_holds_out(cfg)  # data=mix: train validates on the sources' held-out sets instead
     if {"train", "evaluate"} <= set(names) and cfg.train.val_fraction == 0 and not mix_heldout:
         problems.append("train.val_fraction=0 holds out no samples, and evaluate prompts only from held-out ones: "
                         "set train.val_fraction > 0, or run the stages up to export")
@@ -86,6 +85,12 @@ def preflight(cfg, names: list[str]) -> None:
             problems.append(f"{name}: {e}")
     if problems:
         raise UserError("; ".join(problems))
+
+
+def _mix_holds_out(cfg) -> bool:
+    data = cfg.get("data") or {}
+    fmt = data.get("format")
+    return str(getattr(fmt, "value", fmt)) == "mix" and any(s.get("heldout", 0) > 0 for s in data.get("sources") or [])
 
 
 def _resume_conflicts(cfg, names: list[str]) -> list[str]:
