@@ -176,6 +176,11 @@ class Compressor(str, Enum):
     none = "none"
 
 
+class StoreWriter(str, Enum):  # what encodes and writes a shard's chunks (the bytes on disk are the same)
+    tensorstore = "tensorstore"
+    zarr = "zarr"
+
+
 @dataclass
 class ExtractConfig:
     backend: Backend = Backend.hf
@@ -199,6 +204,10 @@ class ExtractConfig:
     # (docs/feature_store.md, writing protocol 5). Raise it where the writer, not the capture, binds
     # (scripts/bench/extract_throughput.py measures both). Not in extract's fingerprint: the bytes are the same
     write_workers: int = 1
+    # tensorstore: Google's C++ zarr v3 writer encodes and writes every array of a shard on all cores, outside the
+    # GIL (chunks byte for byte those zarr-python writes: same codecs, crc32c last); zarr: zarr-python in this process
+    # (or write_workers processes). scripts/bench/store_writer.py measures both. Not in extract's fingerprint
+    writer: StoreWriter = StoreWriter.tensorstore
     # zarr chunk length along tokens of the 2-D arrays (the 1-D input_ids / loss_mask: at least 16,384 tokens,
     # feature_store.ID_CHUNK_TOKENS). A loader reading a ~450-token sample decodes every chunk it touches: 512
     # reads 1.6x faster per worker than 2048 for +0.05% bytes and 4x the chunk files (docs/feature_store.md,

@@ -67,6 +67,14 @@ def plan_batches(lengths: list[int], batch_tokens: int, max_batch_size: int) -> 
     return batches
 
 
+def valid_rows(h: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+    """[B, W, D] right-padded states -> [sum(lengths), D], the real tokens row after row, gathered on the device
+    (an index built on the host: no device sync, and no padding crosses to the host)."""
+    width = h.shape[1]
+    idx = torch.cat([torch.arange(n) + r * width for r, n in enumerate(lengths)])
+    return h.flatten(0, 1).index_select(0, idx.to(h.device, non_blocking=True))
+
+
 class Capture:
     """Forward hooks on decoder layers. `__call__` runs the decoder and returns (aux [B,T,n*H], last [B,T,H])
     in bf16; `states()` returns the same from the model's most recent forward, whoever ran it."""
@@ -92,6 +100,15 @@ class Capture:
         self._seen.clear()
         self.base(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
         return self.states()
+
+    def packed(self, samples: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The samples' states without padding: (aux [sum(len), n*H], last [sum(len), H]), sample after sample,
+        on the model's device (what extract writes; SGLangCapture.packed gives the same from SGLang)."""
+        input_ids, attention_mask = pad_batch(samples)
+        device = next(self.base.parameters()).device
+        aux, last = self(input_ids.to(device), attention_mask.to(device))
+        lengths = [len(s) for s in samples]
+        return valid_rows(aux, lengths), valid_rows(last, lengths)
 
     def release(self) -> None:
         """Drop the latest forward's states (the caller copied what it needs)."""

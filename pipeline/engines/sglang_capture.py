@@ -3,7 +3,7 @@
 Runs in a Python that has sglang 0.5.17 .. 0.5.23 (a GPU box; CI's .venv-engines has 0.5.23 for the contract
 tests, and they also pass against 0.5.17's source: docs/conventions.md, "SGLang 0.5.17 vs 0.5.23"). The feature
 store, sharding, resume and sample order are extract.py's; this module only turns a padded batch of token
-ids into (aux, last) tensors, like extract.Capture does for HF:
+ids into (aux, last) tensors, like hf_capture.Capture.packed does for HF:
 - aux: SGLang's own capture. `set_eagle3_layers_to_capture(ids)` (sglang/srt/models/llama.py) sets
   `model.layers_to_capture = [k + 1 for k in ids]`, i.e. the residual stream entering layer k+1 = the output
   of layer k: SGLang id k = eaglepipe id k (docs/conventions.md). DeepSeek-V2/V3 and Kimi-K2.5 classes number
@@ -134,23 +134,11 @@ class LastStateHook:
         self.handle.remove()
 
 
-def unpad(aux_flat: torch.Tensor, last_flat: torch.Tensor, lengths: list[int]):
-    """SGLang packs a batch token after token; extract.py writes padded [B, T, .] like HF's capture."""
-    if sum(lengths) != aux_flat.shape[0] or sum(lengths) != last_flat.shape[0]:
-        raise RuntimeError(f"SGLang returned {aux_flat.shape[0]}/{last_flat.shape[0]} token states for "
-                           f"{sum(lengths)} tokens")
-    B, T = len(lengths), max(lengths)
-    aux = aux_flat.new_zeros(B, T, aux_flat.shape[-1])
-    last = last_flat.new_zeros(B, T, last_flat.shape[-1])
-    start = 0
-    for b, n in enumerate(lengths):
-        aux[b, :n], last[b, :n] = aux_flat[start:start + n], last_flat[start:start + n]
-        start += n
-    return aux, last
-
-
 class SGLangCapture:
-    """extract.Capture's interface over SGLang: (input_ids [B,T], attention_mask) -> (aux, last) in bf16."""
+    """hf_capture.Capture's `packed` over SGLang: samples (lists of token ids) -> (aux [sum(len), n*H],
+    last [sum(len), H]) in bf16 on the GPU, sample after sample. SGLang packs a batch token after token itself, so
+    nothing is padded: the ids go from the host lists straight into the requests (no padded batch on the device,
+    no per-row device-to-host `tolist`), and the states come back in the order extract writes them."""
 
     def __init__(self, runner, aux_ids: list[int]):
         self.runner, self.aux_ids = runner, aux_ids
@@ -160,13 +148,14 @@ class SGLangCapture:
         self.tree_cache = disabled_prefix_cache(runner.req_to_token_pool, runner.token_to_kv_pool_allocator)
         self.next_rid = 0
 
-    def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor):
-        lengths = attention_mask.sum(1).tolist()
-        samples = [row[:n].tolist() for row, n in zip(input_ids, lengths)]
+    def packed(self, samples: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
         reqs = make_reqs(samples, self.next_rid)
         self.next_rid += len(reqs)
         aux, last = forward_capture(self.runner, reqs, self.hook, self.tree_cache)
-        return unpad(aux.to(torch.bfloat16), last.to(torch.bfloat16), lengths)
+        total = sum(len(s) for s in samples)
+        if aux.shape[0] != total or last.shape[0] != total:
+            raise RuntimeError(f"SGLang returned {aux.shape[0]}/{last.shape[0]} token states for {total} tokens")
+        return aux.to(torch.bfloat16), last.to(torch.bfloat16)
 
     def remove(self):
         self.hook.remove()

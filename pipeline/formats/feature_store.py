@@ -231,6 +231,25 @@ def open_for_writing(root: Path, facts: dict, overwrite: bool = False) -> dict:
 
 
 # ------------------------------------------------------------------------------------------------- writer
+WRITERS = ("tensorstore", "zarr")  # extract.writer: the same chunk bytes either way (tests/unit/test_store_writer.py)
+
+
+def write_with_tensorstore(group_dir: Path, buffers: dict[str, np.ndarray]) -> None:
+    """Every array of `buffers` into the zarr v3 array of that name under `group_dir` (created by zarr-python with
+    its codecs and attributes): tensorstore encodes the chunks (blosc, crc32c) and writes their files on its own
+    threads, all arrays at once, outside the GIL. An all-zero chunk is written too (a missing file is damage)."""
+    try:
+        import tensorstore as ts
+    except ImportError:
+        raise StoreError("extract.writer=tensorstore needs the tensorstore package (requirements.txt pins it), "
+                         "or set extract.writer=zarr") from None
+    opened = [ts.open({"driver": "zarr3", "kvstore": {"driver": "file", "path": str(Path(group_dir) / name)},
+                       "open": True, "store_data_equal_to_fill_value": True}) for name in buffers]
+    writes = [future.result().write(buffer) for future, buffer in zip(opened, buffers.values())]
+    for w in writes:
+        w.result()  # committed to the files (or the first failure raised here)
+
+
 @dataclass
 class ShardSpec:
     index: int
@@ -254,8 +273,11 @@ class ShardWriter:
     PIECES = 32  # chunk-aligned ranges per array handed to the writer processes: none idles while one finishes
 
     def __init__(self, root: Path, spec: ShardSpec, facts: dict, widths: tuple[int, int],
-                 chunk_tokens: int, compressor: str = "blosc_lz4", clevel: int = 3, shared: bool = False):
-        self.root, self.spec, self.facts = Path(root), spec, facts
+                 chunk_tokens: int, compressor: str = "blosc_lz4", clevel: int = 3, shared: bool = False,
+                 writer: str = "tensorstore"):
+        if writer not in WRITERS:
+            raise ValueError(f"unknown store writer {writer!r}; expected one of {', '.join(WRITERS)}")
+        self.root, self.spec, self.facts, self.writer = Path(root), spec, facts, writer
         self.final = self.root / shard_name(spec.index)
         self.tmp = self.root / (shard_name(spec.index) + ".tmp")
         self.offsets = np.zeros(len(spec.lengths) + 1, dtype=np.int64)
@@ -347,9 +369,12 @@ class ShardWriter:
             pool.submit(shard_regions.write_region, str(self.tmp / name), self.shared.handle(name), a, b)
             for name in self.STATES for a, b in shard_regions.regions(len(self.buffers[name]), self.chunk, self.PIECES)]
         try:
-            for name, arr in arrays.items():
-                if not (jobs and name in self.STATES):
-                    arr[...] = self.buffers[name]
+            mine = [name for name in arrays if not (jobs and name in self.STATES)]
+            if self.writer == "tensorstore":
+                write_with_tensorstore(self.tmp, {name: self.buffers[name] for name in mine})
+            else:
+                for name in mine:
+                    arrays[name][...] = self.buffers[name]
         finally:
             wait(jobs)  # every range done (or failed) before the buffers can be released
         for job in jobs:

@@ -27,7 +27,7 @@ from omegaconf import OmegaConf
 from tqdm import tqdm
 
 from pipeline import features
-from pipeline.engines.hf_capture import Capture, pad_batch, plan_batches
+from pipeline.engines.hf_capture import Capture, plan_batches
 from pipeline.errors import UserError
 from pipeline.fingerprint import digest
 from pipeline.formats import feature_store as fs
@@ -59,6 +59,11 @@ def check(cfg) -> None:
     for key in ("batch_tokens", "shard_tokens", "chunk_tokens", "max_batch_size", "write_workers"):
         if cfg.extract[key] < 1:
             raise UserError(f"extract.{key}={cfg.extract[key]}: must be >= 1")
+    writer = str(getattr(cfg.extract.writer, "value", cfg.extract.writer))
+    if cfg.extract.write_workers > 1 and writer != "zarr":
+        raise UserError(f"extract.write_workers={cfg.extract.write_workers} starts zarr-python writer processes; "
+                        f"extract.writer={writer} already writes on every core: set extract.writer=zarr to use them, "
+                        "or leave write_workers at 1")
 
 
 def fingerprint(cfg) -> str:
@@ -67,7 +72,7 @@ def fingerprint(cfg) -> str:
     # the SGLang knobs shape nothing under backend=hf (and leaving them out keeps hf stores made before they
     # existed up to date); SGLang's memory fraction never shapes the states
     leave_out = {"overwrite", "repair", "device", "max_batch_size", "chunk_tokens", "compressor", "clevel", "sglang_mem_fraction",
-                 "write_workers"}
+                 "write_workers", "writer"}
     if backend(cfg) != "sglang":
         leave_out.add("sglang_attention_backend")
     shaping = {k: v for k, v in OmegaConf.to_container(cfg.extract, resolve=True, enum_to_str=True).items()
@@ -135,15 +140,14 @@ def run(cfg) -> Path:
                  sum(sum(s.lengths) for s in todo))
     if todo and backend(cfg) == "sglang":
         capture, rank = _sglang_capture(folder, aux, model_cfg, cfg.extract)
-        _extract_shards(cfg, ds, todo, capture, facts, manifest, "cuda", model_cfg.hidden_size, len(aux),
-                        write=rank == 0)
+        _extract_shards(cfg, ds, todo, capture, facts, manifest, model_cfg.hidden_size, len(aux), write=rank == 0)
         capture.remove()
         if rank != 0:
             return out_dir(cfg)  # tensor-parallel ranks compute; rank 0 writes the store
     elif todo:
         model = targets.load_model(folder, cfg.target, device, dtype, ex.attn_implementation)
         capture = Capture(model, aux)
-        _extract_shards(cfg, ds, todo, capture, facts, manifest, device, model_cfg.hidden_size, len(aux))
+        _extract_shards(cfg, ds, todo, capture, facts, manifest, model_cfg.hidden_size, len(aux))
         capture.remove()
     if data_parallel:
         group.barrier()  # every rank's shards are committed
@@ -239,14 +243,6 @@ def _sglang_capture(folder: Path, aux: list[int], model_cfg, ex):
     return sc.SGLangCapture(runner, aux), rank
 
 
-def _valid_rows(h: torch.Tensor, lengths: list[int]) -> torch.Tensor:
-    """[B, W, D] right-padded states -> [sum(lengths), D], the real tokens row after row, gathered on the device
-    (an index built on the host: no device sync, and no padding crosses to the host)."""
-    width = h.shape[1]
-    idx = torch.cat([torch.arange(n) + r * width for r, n in enumerate(lengths)])
-    return h.flatten(0, 1).index_select(0, idx.to(h.device, non_blocking=True))
-
-
 def _to_host(t: torch.Tensor):
     """(host tensor, event): on CUDA an asynchronous copy into pinned memory, done when the event is."""
     if t.device.type != "cuda":
@@ -275,12 +271,13 @@ def _shard_writer(cfg, spec, facts: dict, widths: tuple[int, int], shared: bool)
     ex = cfg.extract
     args = (out_dir(cfg), spec, facts, widths, ex.chunk_tokens, str(getattr(ex.compressor, "value", ex.compressor)),
             ex.clevel)
+    writer = str(getattr(ex.writer, "value", ex.writer))
     if shared:
         try:
-            return fs.ShardWriter(*args, shared=True)
+            return fs.ShardWriter(*args, shared=True, writer=writer)
         except OSError:  # posix_fallocate: another process took the room since the check
             pass
-    return fs.ShardWriter(*args)
+    return fs.ShardWriter(*args, writer=writer)
 
 
 def _writer_processes(ex, widths: tuple[int, int], fp8: bool):
@@ -309,8 +306,10 @@ def _writer_processes(ex, widths: tuple[int, int], fp8: bool):
     return pool
 
 
-def _extract_shards(cfg, ds, todo, capture, facts, manifest, device, hidden: int, n_aux: int,
-                    write: bool = True) -> None:
+def _extract_shards(cfg, ds, todo, capture, facts, manifest, hidden: int, n_aux: int, write: bool = True) -> None:
+    """Every shard of `todo`: its samples through `capture.packed` (hf_capture.Capture or SGLangCapture) in
+    length-bucketed batches, copied to the host while the next batch computes, committed while the next shard
+    computes."""
     ex = cfg.extract
     fp8 = features.fp8(cfg)
     t0, tokens_done = time.time(), 0
@@ -330,12 +329,10 @@ def _extract_shards(cfg, ds, todo, capture, facts, manifest, device, hidden: int
                 ids_all, mask_all = rows["input_ids"], rows["loss_mask"]
                 pending = None  # the previous batch: its copy to the host runs while this batch computes
                 for batch in plan_batches(spec.lengths, ex.batch_tokens, ex.max_batch_size):
-                    input_ids, attn = pad_batch([ids_all[i] for i in batch])
-                    aux_h, last_h = capture(input_ids.to(device), attn.to(device))
+                    rows = list(capture.packed([ids_all[i] for i in batch]))  # the real tokens only, on the device
                     if not write:
                         continue
                     ns = [spec.lengths[i] for i in batch]
-                    rows = [_valid_rows(h, ns) for h in (aux_h, last_h)]  # the real tokens only
                     if fp8:  # encoded on the device: half the bytes cross to the host
                         (a_bits, a_scale), (l_bits, l_scale) = fs.encode_fp8(rows[0], n_aux), fs.encode_fp8(rows[1], 1)
                         rows = [a_bits, l_bits, a_scale, l_scale]

@@ -3,8 +3,8 @@
 Same prepared samples, same length-bucketed batches as `extract` (extract.plan_shards / plan_batches), one
 ModelRunner (pipeline/engines/sglang_capture.build_runner), two measurements, each the best of 3 passes:
   prefill  - SGLang's extend forward with no capture (CaptureHiddenMode.NULL, nothing copied back)
-  capture  - what extract.backend=sglang does per batch: FULL aux capture + last-state hook + unpad + bf16 +
-             copy to host
+  capture  - what extract.backend=sglang does per batch: FULL aux capture + last-state hook + bf16, packed
+             (SGLangCapture.packed, no padding), asynchronous copies into pinned host memory (extract._to_host)
 The extract stage end to end (writing the store) is timed by the stage itself (stages.json).
 Usage (a process with /tmp/sgl-site first on PYTHONPATH):
   python scripts/bench/sglang_capture_throughput.py RUN_DIR TARGET_DIR [attention_backend] [mem_fraction]
@@ -78,9 +78,11 @@ def main(run_dir: str, target_dir: str, attention_backend: str = "triton", mem_f
     cap = sc.SGLangCapture(runner, aux)
 
     def capture():
-        for i, a in batches:
-            x, y = cap(i, a)
-            x.cpu(), y.cpu()
+        copies = []
+        for s in samples:
+            copies += [extract._to_host(h) for h in cap.packed(s)]
+        for _, event in copies:
+            event.synchronize()
 
     capture()
     capture_s = min(timed(capture) for _ in range(3))

@@ -92,15 +92,6 @@ def test_server_args_for_capture(target_dir):
     assert args.disable_radix_cache and args.disable_cuda_graph and args.skip_tokenizer_init
 
 
-def test_unpad_restores_sample_order_and_lengths():
-    aux_flat, last_flat = torch.arange(10.).repeat(6, 1).T.contiguous(), torch.arange(10.)[:, None]
-    aux, last = sc.unpad(aux_flat, last_flat, [3, 7])
-    assert aux.shape == (2, 7, 6) and last[0, :3, 0].tolist() == [0, 1, 2] and last[1, :, 0].tolist() == list(range(3, 10))
-    assert last[0, 3:].abs().sum() == 0
-    with pytest.raises(RuntimeError, match="11 tokens"):
-        sc.unpad(aux_flat, last_flat, [4, 7])
-
-
 def test_our_requests_make_a_batch_that_sglang_prepares_for_extend_with_its_own_pools(target_dir, target):
     """Everything forward_capture does before runner.forward, with SGLang's own pools and cache on CPU."""
     from sglang.srt.configs.model_config import ModelConfig

@@ -82,8 +82,8 @@ def test_shards_written_by_several_workers_at_once_equal_one_writers(make_cfg, o
     #14); the store, its manifest and the stage's fingerprint are byte for byte those of one writer."""
     root, one = one_process_store
     three = _prepared_copy(make_cfg, root, "three_writers")
-    r = subprocess.run(_cmd(three, cache_dir, 1, "extract.write_workers=3"), cwd=ROOT, env=ENV, capture_output=True,
-                       text=True, timeout=600)
+    r = subprocess.run(_cmd(three, cache_dir, 1, "extract.write_workers=3", "extract.writer=zarr"), cwd=ROOT, env=ENV,
+                       capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "extract: 3 writer processes" in r.stdout + r.stderr  # not this process alone (no /dev/shm fallback)
     assert _files(three / "features") == _files(one / "features")

@@ -74,7 +74,8 @@ def test_a_shard_writer_falls_back_to_its_own_buffers_when_dev_shm_fills_after_t
         return real(*a, **k)
 
     monkeypatch.setattr(fs, "ShardWriter", no_room)
-    cfg = SimpleNamespace(run_dir=str(tmp_path), extract=SimpleNamespace(chunk_tokens=3, compressor="blosc_lz4", clevel=3))
+    cfg = SimpleNamespace(run_dir=str(tmp_path), extract=SimpleNamespace(chunk_tokens=3, compressor="blosc_lz4", clevel=3,
+                                                                    writer="zarr"))
     monkeypatch.setattr(extract, "out_dir", lambda cfg: tmp_path)
     w = extract._shard_writer(cfg, fs.ShardSpec(0, 0, [2]), {"hidden_size": 4}, (8, 4), shared=True)
     assert isinstance(w, real) and w.shared is None
