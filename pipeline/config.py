@@ -206,7 +206,7 @@ class ExtractConfig:
     write_workers: int = 1
     # tensorstore: Google's C++ zarr v3 writer encodes and writes every array of a shard on all cores, outside the
     # GIL (chunks byte for byte those zarr-python writes: same codecs, crc32c last); zarr: zarr-python in this process
-    # (or write_workers processes). scripts/bench/store_writer.py measures both. Not in extract's fingerprint
+    # (or write_workers processes). scripts/bench/shard_commit.py --writers measures both. Not in extract's fingerprint
     writer: StoreWriter = StoreWriter.tensorstore
     # zarr chunk length along tokens of the 2-D arrays (the 1-D input_ids / loss_mask: at least 16,384 tokens,
     # feature_store.ID_CHUNK_TOKENS). A loader reading a ~450-token sample decodes every chunk it touches: 512

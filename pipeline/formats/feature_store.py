@@ -231,7 +231,7 @@ def open_for_writing(root: Path, facts: dict, overwrite: bool = False) -> dict:
 
 
 # ------------------------------------------------------------------------------------------------- writer
-WRITERS = ("tensorstore", "zarr")  # extract.writer: the same chunk bytes either way (tests/unit/test_store_writer.py)
+WRITERS = ("tensorstore", "zarr")  # extract.writer: the same chunk bytes either way (tests/unit/formats/test_store_writer.py)
 
 
 def write_with_tensorstore(group_dir: Path, buffers: dict[str, np.ndarray]) -> None:
