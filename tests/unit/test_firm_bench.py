@@ -63,7 +63,7 @@ def test_warm_up_is_not_counted_and_the_repeats_alternate_between_the_servers(se
 
 
 def test_each_concurrency_has_every_repeat_median_spread_and_the_paired_speedup(serve):
-    report = online.firm_bench(serve(SPEC, 0.001), serve(PLAIN, 0.004), PROMPTS, 8, [1, 2], repeats=3, warmup=0,
+    report = online.firm_bench(serve(SPEC, 0.002), serve(PLAIN, 0.05), PROMPTS, 8, [1, 2], repeats=3, warmup=0,
                                timeout_s=10)
     assert list(report["by_concurrency"]) == ["1", "2"]
     for row in report["by_concurrency"].values():
