@@ -49,8 +49,8 @@ def gone(pgid: int) -> bool:
 
 
 def test_the_faster_settings_win_and_land_in_serve_sh_and_the_manifest(make_cfg, tmp_path, export):
-    cfg = tune_cfg(make_cfg, tmp_path, {"plain": {"delay_s": 0.01}, "1": {"delay_s": 0.03}, "2": {"delay_s": 0.002},
-                                        "3": {"delay_s": 0.015}}, "tune.grid.num_steps=[1,2,3]")
+    cfg = tune_cfg(make_cfg, tmp_path, {"plain": {"delay_s": 0.02}, "1": {"delay_s": 0.08}, "2": {"delay_s": 0.002},
+                                        "3": {"delay_s": 0.04}}, "tune.grid.num_steps=[1,2,3]")
     path = tune_serve.tune(cfg, export, PROMPTS)
     table = json.loads(path.read_text())
     assert path == tmp_path / "run" / "tune" / "serve_sweep.json"
