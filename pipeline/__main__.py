@@ -50,13 +50,23 @@ def _sweep_job_run_dir(cfg: DictConfig) -> None:
 
     if not HydraConfig.initialized() or HydraConfig.get().mode != RunMode.MULTIRUN:
         return
-    given = [o.split("=", 1)[1] for o in HydraConfig.get().overrides.task if o.split("=", 1)[0].lstrip("+~") == "run_dir"]
-    if given and ("${" in given[-1] or "$\\{" in given[-1]):  # names each job itself (run_dir=runs/lr${train.lr})
+    given = [
+        o.split("=", 1)[1]
+        for o in HydraConfig.get().overrides.task
+        if o.split("=", 1)[0].lstrip("+~") == "run_dir"
+    ]
+    if given and (
+        "${" in given[-1] or "$\\{" in given[-1]
+    ):  # names each job itself (run_dir=runs/lr${train.lr})
         log.info("multirun job %s: run_dir %s (as given)", HydraConfig.get().job.num, cfg.run_dir)
         return
     job_dir = HydraConfig.get().runtime.output_dir
-    log.info("multirun job %s (%s): run_dir %s", HydraConfig.get().job.num,
-             HydraConfig.get().job.override_dirname or "no overrides", job_dir)
+    log.info(
+        "multirun job %s (%s): run_dir %s",
+        HydraConfig.get().job.num,
+        HydraConfig.get().job.override_dirname or "no overrides",
+        job_dir,
+    )
     cfg.run_dir = job_dir
 
 
@@ -68,8 +78,15 @@ def fail(message: str) -> None:
 def one_line(text: str) -> str:
     """Hydra's and OmegaConf's multi-line reports as one line: the message lines joined, option lists
     comma-separated, the search path, key/type details and the HYDRA_FULL_ERROR hint left out."""
-    noise = ("See https://hydra.cc", "Set the environment variable", "full_key:", "object_type=",
-             "reference_type=", "provider=", "Config search path:")
+    noise = (
+        "See https://hydra.cc",
+        "Set the environment variable",
+        "full_key:",
+        "object_type=",
+        "reference_type=",
+        "provider=",
+        "Config search path:",
+    )
     parts: list[str] = []
     for raw in text.splitlines():
         line = raw.strip()
@@ -89,9 +106,13 @@ def startup_error(e: BaseException) -> str | None:
     from hydra.errors import ConfigCompositionException, OverrideParseException
 
     if isinstance(e, OverrideParseException):
-        what = "; ".join(p for p in one_line(str(e)).split("; ") if not p.startswith("Error parsing override"))
-        return (f"override {e.override!r}: {what}; Hydra's grammar reserves , [ ] {{ }} ( ) ' \" = "
-                "and \\ in values: quote the value inside the override, e.g. \"launch='$(cat serve.sh)'\"")
+        what = "; ".join(
+            p for p in one_line(str(e)).split("; ") if not p.startswith("Error parsing override")
+        )
+        return (
+            f"override {e.override!r}: {what}; Hydra's grammar reserves , [ ] {{ }} ( ) ' \" = "
+            "and \\ in values: quote the value inside the override, e.g. \"launch='$(cat serve.sh)'\""
+        )
     if isinstance(e, (ConfigCompositionException, OmegaConfBaseException)):
         cause = e.__cause__
         text = one_line(str(e))
@@ -104,8 +125,10 @@ def startup_error(e: BaseException) -> str | None:
         return f"cannot create the run dir {e.filename} ({e.strerror}); pick a writable run_dir"
     cause = e.__cause__
     if isinstance(e, ValueError) and "Unable to configure handler" in str(e) and isinstance(cause, OSError):
-        return (f"cannot write the log file {cause.filename} ({cause.strerror}): the run dir must be a writable "
-                "directory; fix its permissions or pick another run_dir")
+        return (
+            f"cannot write the log file {cause.filename} ({cause.strerror}): the run dir must be a writable "
+            "directory; fix its permissions or pick another run_dir"
+        )
     return None
 
 
@@ -115,21 +138,28 @@ def schema_as_option(args: list[str]) -> str | None:
         group, _, option = arg.lstrip("+~").partition("=")
         if option == f"base_{group}" and (CONF / group).is_dir():
             options = sorted(p.stem for p in (CONF / group).glob("*.yaml"))
-            return (f"{group}={option} is the schema every {group}/*.yaml builds on, not a {group}: pick one "
-                    f"of {', '.join(options)}")
+            return (
+                f"{group}={option} is the schema every {group}/*.yaml builds on, not a {group}: pick one "
+                f"of {', '.join(options)}"
+            )
     return None
 
 
-# A tool (verify, serve, doctor, parity, check-store, plan) writes no Hydra files into a run directory: no .hydra/
-# config over the run's recorded one, no log file; its log goes to the terminal only (parity's own output goes to
+# A tool (verify, serve, doctor, parity, check-store, plan) writes no Hydra files into a run directory: no
+# .hydra/
+# config over the run's recorded one, no log file; its log goes to the terminal only (parity's own output goes
+# to
 # run_dir/parity/, no stage's folder).
 TOOL_HYDRA = ["hydra.output_subdir=null", "hydra/job_logging=stdout", "hydra.run.dir=."]
 
 
 def cpu_ranks_asked() -> int:
-    """N of `accelerate launch --cpu --num_processes N`, read from that launcher's own command line (Linux /proc):
-    with --cpu, accelerate takes its simple launcher, which starts ONE process whatever N says and passes no N on
-    (it spawns N only for GPUs, or through mpirun). 1 when not launched so, or already one of several ranks."""
+    """N of `accelerate launch --cpu --num_processes N`, read from that launcher's own command line (Linux
+    /proc):
+    with --cpu, accelerate takes its simple launcher, which starts ONE process whatever N says and passes no
+    N on
+    (it spawns N only for GPUs, or through mpirun). 1 when not launched so, or already one of several
+    ranks."""
     if os.environ.get("ACCELERATE_USE_CPU", "").lower() != "true" or "LOCAL_RANK" in os.environ:
         return 1
     try:
@@ -142,7 +172,9 @@ def cpu_ranks_asked() -> int:
 def num_processes_of_launch(args: list[str]) -> int:
     """--num_processes of an accelerate launcher's command line: `accelerate launch`, `accelerate-launch` or
     `python -m accelerate.commands.launch` (what the GPU bench plans run); else 1."""
-    if not any(a in ("launch", "accelerate.commands.launch") or Path(a).name == "accelerate-launch" for a in args):
+    if not any(
+        a in ("launch", "accelerate.commands.launch") or Path(a).name == "accelerate-launch" for a in args
+    ):
         return 1
     for i, a in enumerate(args):
         key, _, value = a.partition("=")
@@ -157,10 +189,26 @@ def relaunch_ranks(argv: list[str]) -> None:
     launcher of the N ranks (gloo), so the command does what it says instead of training on one rank."""
     n = cpu_ranks_asked()
     if n > 1 and any(a in ("stage=train", "train") for a in argv):
-        print(f"eaglepipe: accelerate launch --cpu starts one process; starting the {n} CPU ranks asked for through "
-              "torch.distributed.run (gloo)", file=sys.stderr, flush=True)
-        os.execv(sys.executable, [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                                  f"--nproc-per-node={n}", "-m", "pipeline", *argv])
+        print(
+            f"eaglepipe: accelerate launch --cpu starts one process; starting the {n} CPU ranks asked for "
+            "through "
+            "torch.distributed.run (gloo)",
+            file=sys.stderr,
+            flush=True,
+        )
+        os.execv(
+            sys.executable,
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                f"--nproc-per-node={n}",
+                "-m",
+                "pipeline",
+                *argv,
+            ],
+        )
 
 
 def main() -> None:

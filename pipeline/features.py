@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
-from typing import Optional
 
 import numpy as np
 import torch
@@ -46,19 +45,29 @@ def fp8(cfg) -> bool:
     return str(getattr(cfg.extract.store_dtype, "value", cfg.extract.store_dtype)) == fs.FP8
 
 
-def facts(cfg, folder: Path, model_cfg, tok, stats: dict, aux: list[int], dtype: torch.dtype,
-          num_samples: int) -> dict:
+def facts(
+    cfg, folder: Path, model_cfg, tok, stats: dict, aux: list[int], dtype: torch.dtype, num_samples: int
+) -> dict:
     """What produced the states: recorded in the store's manifest and every shard (offline), or held by the
     online source; later stages read these."""
     out = {
-        "produced_by": f"eaglepipe {__version__}", "backend": backend(cfg), "target_name": cfg.target.name,
-        "target_path": str(folder), "target_fingerprint": targets.fingerprint(folder),
-        "num_layers": model_cfg.num_hidden_layers, "hidden_size": model_cfg.hidden_size,
-        "vocab_size": model_cfg.vocab_size, "aux_layer_ids": aux, "layer_id_convention": CONVENTION,
+        "produced_by": f"eaglepipe {__version__}",
+        "backend": backend(cfg),
+        "target_name": cfg.target.name,
+        "target_path": str(folder),
+        "target_fingerprint": targets.fingerprint(folder),
+        "num_layers": model_cfg.num_hidden_layers,
+        "hidden_size": model_cfg.hidden_size,
+        "vocab_size": model_cfg.vocab_size,
+        "aux_layer_ids": aux,
+        "layer_id_convention": CONVENTION,
         "last_hidden": f"pre-norm output of decoder layer {model_cfg.num_hidden_layers - 1}",
-        "logical_dtype": fs.LOGICAL_DTYPE, "compute_dtype": str(dtype).replace("torch.", ""),
-        "chat_template_hash": targets.chat_template_hash(tok), "max_len": stats["max_len"],
-        "prepared_fingerprint": stats["prepared_fingerprint"], "num_samples": num_samples,
+        "logical_dtype": fs.LOGICAL_DTYPE,
+        "compute_dtype": str(dtype).replace("torch.", ""),
+        "chat_template_hash": targets.chat_template_hash(tok),
+        "max_len": stats["max_len"],
+        "prepared_fingerprint": stats["prepared_fingerprint"],
+        "num_samples": num_samples,
         "shard_tokens": cfg.extract.shard_tokens,
         **({"store_dtype": fs.FP8} if fp8(cfg) and not online(cfg) else {}),  # absent = bf16, as before fp8
     }
@@ -76,16 +85,20 @@ def capture_inputs(cfg):
     aux = aux_layer_ids(cfg.extract.aux_layers, model_cfg.num_hidden_layers)
     ds, stats = prepared.load(cfg.run_dir, cfg.extract.limit)
     if stats["target_fingerprint"] != targets.fingerprint(folder):
-        raise UserError(f"prepared data in {cfg.run_dir}/prepared was tokenized for another target "
-                        f"({stats['target_path']}); rerun stage=prepare or use another run_dir")
+        raise UserError(
+            f"prepared data in {cfg.run_dir}/prepared was tokenized for another target "
+            f"({stats['target_path']}); rerun stage=prepare or use another run_dir"
+        )
     return folder, model_cfg, aux, ds, stats, targets.load_tokenizer(folder, cfg.target)
 
 
-def online_problem(cfg) -> Optional[str]:
+def online_problem(cfg) -> str | None:
     """Why these settings cannot train online (None: they can)."""
     if online(cfg) and (fp8(cfg) or str(getattr(cfg.extract.backend, "value", cfg.extract.backend)) != "hf"):
-        return ("train.features=online captures with the hf backend in bf16; extract.backend=sglang and "
-                "extract.store_dtype=fp8_e4m3 describe a feature store: use train.features=offline")
+        return (
+            "train.features=online captures with the hf backend in bf16; extract.backend=sglang and "
+            "extract.store_dtype=fp8_e4m3 describe a feature store: use train.features=offline"
+        )
     return None
 
 
@@ -96,7 +109,7 @@ def open_source(cfg):
     return OnlineFeatures.of(cfg)
 
 
-def fingerprint_text(cfg) -> Optional[str]:
+def fingerprint_text(cfg) -> str | None:
     """What downstream fingerprints hash for the states: the store's manifest text, or the online facts."""
     if online(cfg):
         try:
@@ -111,12 +124,22 @@ class OnlineFeatures(fs.FactsView):
     """The feature store's reading interface over prepared/ and the target: `tokens(i)` reads prepared/ only;
     `sample(i)` (and `prefetch` for a whole pack, in one padded forward) runs the target on `device`."""
 
-    def __init__(self, facts: dict, ds, folder: Path, target_cfg, device: torch.device, dtype: torch.dtype,
-                 attn: str, batch_tokens: int = 16384, max_batch_size: int = 64):
+    def __init__(
+        self,
+        facts: dict,
+        ds,
+        folder: Path,
+        target_cfg,
+        device: torch.device,
+        dtype: torch.dtype,
+        attn: str,
+        batch_tokens: int = 16384,
+        max_batch_size: int = 64,
+    ):
         self.facts, self._ds, self._folder, self._target_cfg = facts, ds, folder, target_cfg
         self.device, self._dtype, self._attn = device, dtype, attn
         self._batch_tokens, self._max_batch = batch_tokens, max_batch_size  # extract's batch limits
-        self._capture: Optional[Capture] = None
+        self._capture: Capture | None = None
         self._cache: dict[int, dict] = {}
         self.root = None  # no files: a DataLoader gets this object, not a path
 
@@ -128,8 +151,17 @@ class OnlineFeatures(fs.FactsView):
         ex = cfg.extract
         folder, model_cfg, aux, ds, stats, tok = capture_inputs(cfg)
         device, dtype = targets.pick_device_dtype(cfg.train.device, ex.dtype)
-        return cls(facts(cfg, folder, model_cfg, tok, stats, aux, dtype, len(ds)), ds, folder, cfg.target, device,
-                   dtype, ex.attn_implementation, ex.batch_tokens, ex.max_batch_size)
+        return cls(
+            facts(cfg, folder, model_cfg, tok, stats, aux, dtype, len(ds)),
+            ds,
+            folder,
+            cfg.target,
+            device,
+            dtype,
+            ex.attn_implementation,
+            ex.batch_tokens,
+            ex.max_batch_size,
+        )
 
     # ---- the FeatureStore's reading interface (aux_layer_ids, hidden_size: fs.FactsView)
     def __len__(self) -> int:
@@ -145,8 +177,10 @@ class OnlineFeatures(fs.FactsView):
 
     def tokens(self, i: int) -> dict[str, torch.Tensor]:
         row = self._ds[int(i)]
-        return {"input_ids": torch.tensor(row["input_ids"], dtype=torch.long),
-                "loss_mask": torch.tensor(row["loss_mask"], dtype=torch.uint8)}
+        return {
+            "input_ids": torch.tensor(row["input_ids"], dtype=torch.long),
+            "loss_mask": torch.tensor(row["loss_mask"], dtype=torch.uint8),
+        }
 
     def iter_tokens(self):
         for ids, mask in zip(self._ds["input_ids"], self._ds["loss_mask"]):
@@ -164,7 +198,9 @@ class OnlineFeatures(fs.FactsView):
         keep = {i: self._cache[i] for i in ids if i in self._cache}
         need = sorted({int(i) for i in ids} - set(keep), key=lambda i: (-len(self._ds[i]["input_ids"]), i))
         rows = {i: self.tokens(i) for i in need}
-        for group in plan_batches([len(rows[i]["input_ids"]) for i in need], self._batch_tokens, self._max_batch):
+        for group in plan_batches(
+            [len(rows[i]["input_ids"]) for i in need], self._batch_tokens, self._max_batch
+        ):
             ids = [need[j] for j in group]
             input_ids, attn = pad_batch([rows[i]["input_ids"] for i in ids])
             capture = self._target()
@@ -177,8 +213,12 @@ class OnlineFeatures(fs.FactsView):
 
     def _target(self) -> Capture:
         if self._capture is None:  # loaded on the first states asked for: vocab/export/evaluate never load it
-            log.info("online features: the target %s on %s (%s), frozen", self._folder, self.device,
-                     str(self._dtype).replace("torch.", ""))
+            log.info(
+                "online features: the target %s on %s (%s), frozen",
+                self._folder,
+                self.device,
+                str(self._dtype).replace("torch.", ""),
+            )
             model = targets.load_model(self._folder, self._target_cfg, self.device, self._dtype, self._attn)
             model.requires_grad_(False)
             self._capture = Capture(model, self.aux_layer_ids)

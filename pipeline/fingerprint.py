@@ -1,5 +1,6 @@
 """The one digest every stage fingerprint and content hash uses (16 hex chars of sha256 over canonical JSON),
-and the config section a fingerprint hashes: its keys minus the knobs a stage lists as not shaping its output."""
+and the config section a fingerprint hashes: its keys minus the knobs a stage lists as not shaping its
+output."""
 
 import hashlib
 import json

@@ -83,5 +83,7 @@ class RunDir:
         except fs.StoreError as e:
             raise UserError(f"{e}; run stage=extract first") from None
         if complete and not store.manifest.get("complete"):
-            raise UserError(f"the feature store in {self.features} is incomplete; rerun stage=extract (it resumes)")
+            raise UserError(
+                f"the feature store in {self.features} is incomplete; rerun stage=extract (it resumes)"
+            )
         return store

@@ -29,7 +29,8 @@ ORDER = ["prepare", "extract", "vocab", "train", "export", "evaluate"]
 TOOLS = ["verify", "serve", "doctor", "parity", "check_store", "plan", "tune_serve"]
 
 
-# Stages with a multi-process implementation (torchrun / accelerate launch): extract (hf: data parallel; sglang:
+# Stages with a multi-process implementation (torchrun / accelerate launch): extract (hf: data parallel;
+# sglang:
 # tensor parallel) and train (DDP). Any other stage on several ranks would write the same files from each.
 MULTI_RANK = ("extract", "train")
 
@@ -43,10 +44,13 @@ def is_rank0() -> bool:
 
 
 # What each stage read (run_dir-relative): a stage skipped as up to date says so when one of them is gone
-INPUTS = {"extract": ["prepared/stats.json"], "vocab": ["features/manifest.json"],
-          "train": ["features/manifest.json", "vocab/manifest.json"],
-          "export": ["train/final/model.safetensors", "features/manifest.json", "vocab/manifest.json"],
-          "evaluate": ["export/sglang/export_manifest.json", "features/manifest.json"]}
+INPUTS = {
+    "extract": ["prepared/stats.json"],
+    "vocab": ["features/manifest.json"],
+    "train": ["features/manifest.json", "vocab/manifest.json"],
+    "export": ["train/final/model.safetensors", "features/manifest.json", "vocab/manifest.json"],
+    "evaluate": ["export/sglang/export_manifest.json", "features/manifest.json"],
+}
 
 
 def read_records(run_dir: Path) -> dict:
@@ -73,8 +77,10 @@ def preflight(cfg, names: list[str]) -> None:
     problems = _resume_conflicts(cfg, names)
     mix_heldout = _mix_holds_out(cfg)  # data=mix: train validates on the sources' held-out sets instead
     if {"train", "evaluate"} <= set(names) and cfg.train.val_fraction == 0 and not mix_heldout:
-        problems.append("train.val_fraction=0 holds out no samples, and evaluate prompts only from held-out ones: "
-                        "set train.val_fraction > 0, or run the stages up to export")
+        problems.append(
+            "train.val_fraction=0 holds out no samples, and evaluate prompts only from held-out ones: "
+            "set train.val_fraction > 0, or run the stages up to export"
+        )
     for name in names:
         check = getattr(importlib.import_module(f"pipeline.stages.{name}"), "check", None)
         if check is None:
@@ -90,13 +96,18 @@ def preflight(cfg, names: list[str]) -> None:
 def _mix_holds_out(cfg) -> bool:
     data = cfg.get("data") or {}
     fmt = data.get("format")
-    return str(getattr(fmt, "value", fmt)) == "mix" and any(s.get("heldout", 0) > 0 for s in data.get("sources") or [])
+    return str(getattr(fmt, "value", fmt)) == "mix" and any(
+        s.get("heldout", 0) > 0 for s in data.get("sources") or []
+    )
 
 
 def _resume_conflicts(cfg, names: list[str]) -> list[str]:
     """A vocab rebuilt at another size under checkpoints that train would resume (#12 B3): refused before the
     vocab is replaced, instead of a size mismatch inside load_state after it was."""
-    if not {"vocab", "train"} <= set(names) or str(getattr(cfg.train.resume, "value", cfg.train.resume)) != "auto":
+    if (
+        not {"vocab", "train"} <= set(names)
+        or str(getattr(cfg.train.resume, "value", cfg.train.resume)) != "auto"
+    ):
         return []
     vocab_manifest = RunDir.of(cfg).vocab / "manifest.json"
     train_dir = RunDir.of(cfg).train
@@ -105,14 +116,21 @@ def _resume_conflicts(cfg, names: list[str]) -> list[str]:
     built = json.loads(vocab_manifest.read_text()).get("draft_vocab_size")
     if built == cfg.vocab.draft_vocab_size:
         return []
-    return [(f"vocab.draft_vocab_size={cfg.vocab.draft_vocab_size} would rebuild {vocab_manifest.parent} (now "
-             f"{built} tokens) under the checkpoints in {train_dir}, trained with {built}, which train.resume=auto "
-             "cannot resume: add train.resume=never to train from scratch (it replaces them) or use a new run_dir")]
+    return [
+        (
+            f"vocab.draft_vocab_size={cfg.vocab.draft_vocab_size} would rebuild {vocab_manifest.parent} (now "
+            f"{built} tokens) under the checkpoints in {train_dir}, trained with {built}, which "
+            "train.resume=auto "
+            "cannot resume: add train.resume=never to train from scratch (it replaces them) or use a new "
+            "run_dir"
+        )
+    ]
 
 
 def run_stages(cfg) -> None:
     stage = str(getattr(cfg.stage, "value", cfg.stage))
-    # httpx logs every request at INFO: a regeneration or an online bench sends tens of thousands; their counts and
+    # httpx logs every request at INFO: a regeneration or an online bench sends tens of thousands; their
+    # counts and
     # rates are our own log lines
     logging.getLogger("httpx").setLevel(logging.WARNING)
     try:
@@ -128,14 +146,18 @@ def _run_stages(cfg, stage: str) -> None:
     names = selected(stage)
     if features.online(cfg):
         if stage == "extract":
-            raise UserError("train.features=online writes no feature store: train computes the states itself; run "
-                            "stage=train (or stage=all), or set train.features=offline to extract a store")
+            raise UserError(
+                "train.features=online writes no feature store: train computes the states itself; run "
+                "stage=train (or stage=all), or set train.features=offline to extract a store"
+            )
         if "extract" in names:
             log.info("stage extract: skipped, train.features=online (train runs the target on each pack)")
             names = [n for n in names if n != "extract"]
     if world_size() > 1 and [n for n in names if n not in MULTI_RANK]:
-        raise UserError(f"stage={stage} on {world_size()} ranks: only {' and '.join(MULTI_RANK)} run on several ranks "
-                        "(torchrun / accelerate launch); run the other stages in one process (docs/scale.md)")
+        raise UserError(
+            f"stage={stage} on {world_size()} ranks: only {' and '.join(MULTI_RANK)} run on several ranks "
+            "(torchrun / accelerate launch); run the other stages in one process (docs/scale.md)"
+        )
     preflight(cfg, names)
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -146,23 +168,45 @@ def _run_stages(cfg, stage: str) -> None:
         old = read_records(run_dir).get(name)
         if old and old["fingerprint"] == fp and module.is_complete(cfg):
             log.info("stage %s: up to date (fingerprint %s), skipped", name, fp)
-            gone = [p for p in INPUTS.get(name, ()) if not (run_dir / p).exists()
-                    and not (features.online(cfg) and p.startswith("features/"))]
+            gone = [
+                p
+                for p in INPUTS.get(name, ())
+                if not (run_dir / p).exists() and not (features.online(cfg) and p.startswith("features/"))
+            ]
             if gone:
-                log.warning("stage %s: its output is up to date, but %d of its inputs are gone (%s): stages that read "
-                            "them fail until they are rebuilt (stage=all rebuilds them)", name, len(gone),
-                            ", ".join(str(run_dir / p) for p in gone))
+                log.warning(
+                    "stage %s: its output is up to date, but %d of its inputs are gone (%s): stages that "
+                    "read "
+                    "them fail until they are rebuilt (stage=all rebuilds them)",
+                    name,
+                    len(gone),
+                    ", ".join(str(run_dir / p) for p in gone),
+                )
             continue
         if old and old["fingerprint"] != fp:
-            log.info("stage %s: inputs changed since the last run (%s -> %s): running again", name, old["fingerprint"], fp)
+            log.info(
+                "stage %s: inputs changed since the last run (%s -> %s): running again",
+                name,
+                old["fingerprint"],
+                fp,
+            )
         t0 = time.time()
         out = module.run(cfg)
         if not is_rank0():  # rank 0 records the stage, once (it finishes last: both stages end at a barrier)
             continue
-        write_record(run_dir, name, {"fingerprint": fp, "output": str(out), "seconds": round(time.time() - t0, 1),
-                                     "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S")})
+        write_record(
+            run_dir,
+            name,
+            {
+                "fingerprint": fp,
+                "output": str(out),
+                "seconds": round(time.time() - t0, 1),
+                "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
+            },
+        )
         log.info("stage %s: done in %.1f s -> %s", name, time.time() - t0, out)
         ran.add(name)
     if stage == "all" and is_rank0():
         from pipeline import summary
+
         summary.report(run_dir, ORDER, ran)

@@ -31,42 +31,64 @@ def figures(run_dir: Path) -> dict[str, str]:
     out = {}
     if p := _read(r / "prepared" / "stats.json"):
         skipped = sum((p.get("skipped_records") or {}).values())
-        out["prepare"] = (f"{p['samples']:,} samples, {p['tokens']:,} tokens ({p['supervised_tokens']:,} supervised)"
-                          + (f"; {skipped:,} records skipped" if skipped else "")
-                          + (f"; {p['regenerate']['turns_replaced']:,} turns regenerated ({p['regenerate']['backend']})"
-                             if isinstance(p.get("regenerate"), dict) else ""))
+        out["prepare"] = (
+            f"{p['samples']:,} samples, {p['tokens']:,} tokens ({p['supervised_tokens']:,} supervised)"
+            + (f"; {skipped:,} records skipped" if skipped else "")
+            + (
+                f"; {p['regenerate']['turns_replaced']:,} turns regenerated ({p['regenerate']['backend']})"
+                if isinstance(p.get("regenerate"), dict)
+                else ""
+            )
+        )
     if (m := _read(r / "features" / "manifest.json")) and m.get("shards"):
         f = m["facts"]
         tokens = sum(s["num_tokens"] for s in m["shards"])
-        out["extract"] = (f"aux layers {f['aux_layer_ids']} + last of {f['num_layers']} (backend {f['backend']}, "
-                          f"{f['compute_dtype']}); {tokens:,} tokens in {len(m['shards'])} shard(s)")
+        out["extract"] = (
+            f"aux layers {f['aux_layer_ids']} + last of {f['num_layers']} (backend {f['backend']}, "
+            f"{f['compute_dtype']}); {tokens:,} tokens in {len(m['shards'])} shard(s)"
+        )
     if (v := _read(r / "vocab" / "manifest.json")) and (rep := _read(r / "vocab" / "report.json")):
-        out["vocab"] = (f"{v['draft_vocab_size']:,} draft ids of {v['target_vocab_size']:,} cover "
-                        f"{100 * v['coverage']:.2f}% of supervised tokens ({rep['distinct_ids_seen']:,} distinct seen)")
+        out["vocab"] = (
+            f"{v['draft_vocab_size']:,} draft ids of {v['target_vocab_size']:,} cover "
+            f"{100 * v['coverage']:.2f}% of supervised tokens ({rep['distinct_ids_seen']:,} distinct seen)"
+        )
     if t := _read(r / "train" / "final" / "train_summary.json"):
-        out["train"] = (f"{t['optimizer_steps']} steps; val acc_0/1/2 {_accs(t['val_before'])} -> "
-                        f"{_accs(t['val_after'])}")
+        out["train"] = (
+            f"{t['optimizer_steps']} steps; val acc_0/1/2 {_accs(t['val_before'])} -> {_accs(t['val_after'])}"
+        )
     exports = []
     for engine in ("sglang", "vllm"):
         if e := _read(r / "export" / engine / "export_manifest.json"):
             by = e.get("verified_by")
-            exports.append(f"{engine}: checks passed, loaded by {by['class']} ({by['engine']} {by['engine_version']})"
-                           if by else f"{engine}: engine-free checks passed (export.verify_in_engine=false)")
+            exports.append(
+                f"{engine}: checks passed, loaded by {by['class']} ({by['engine']} {by['engine_version']})"
+                if by
+                else f"{engine}: engine-free checks passed (export.verify_in_engine=false)"
+            )
     if exports:
         out["export"] = "; ".join(exports)
     if a := _read(r / "eval" / "acceptance.json"):
         ks = a["draft_lengths"]
         tau = {n: "/".join(f"{a[n][str(k)]['tau']:.2f}" for k in ks) for n in ("trained", "untrained")}
         mism = sum(a[n][str(k)]["greedy_mismatches"] for n in ("trained", "untrained") for k in ks)
-        out["evaluate"] = (f"tau k={'/'.join(map(str, ks))}: trained {tau['trained']} vs untrained "
-                           f"{tau['untrained']} ({a['prompts']} prompts; greedy mismatches {mism})")
+        out["evaluate"] = (
+            f"tau k={'/'.join(map(str, ks))}: trained {tau['trained']} vs untrained "
+            f"{tau['untrained']} ({a['prompts']} prompts; greedy mismatches {mism})"
+        )
     return out
 
 
 def files_to_open(run_dir: Path) -> list[str]:
     r = Path(run_dir)
-    wanted = ["train/plots/curves.png", "eval/tau.png", "eval/acceptance.json", "vocab/report.json",
-              "export/sglang/export_manifest.json", "export/sglang/serve.sh", "export/vllm/serve.sh"]
+    wanted = [
+        "train/plots/curves.png",
+        "eval/tau.png",
+        "eval/acceptance.json",
+        "vocab/report.json",
+        "export/sglang/export_manifest.json",
+        "export/sglang/serve.sh",
+        "export/vllm/serve.sh",
+    ]
     return [str(r / w) for w in wanted if (r / w).exists()]
 
 
@@ -76,18 +98,32 @@ def _online(run_dir: Path) -> bool:
 
 
 def rows(run_dir: Path, order: list[str], ran: set[str]) -> list[tuple[str, str, str]]:
-    """(stage, time, figure) for every stage in the runner's `order`; `ran` = the stages this invocation ran."""
+    """(stage, time, figure) for every stage in the runner's `order`; `ran` = the stages this invocation
+    ran."""
     records = _read(RunDir(Path(run_dir)).stages_json) or {}
     figs = figures(run_dir)
     out = []
     for name in order:
         rec = records.get(name)
         if rec is None and name not in figs:
-            out.append((name, "-", "skipped: train.features=online, the target ran inside train (no feature store)"
-                        if name == "extract" and _online(run_dir) else "not run"))
+            out.append(
+                (
+                    name,
+                    "-",
+                    "skipped: train.features=online, the target ran inside train (no feature store)"
+                    if name == "extract" and _online(run_dir)
+                    else "not run",
+                )
+            )
             continue
         secs = f"{rec['seconds']:.1f} s" if rec else "-"
-        out.append((name, secs if name in ran else f"{secs} (up to date, skipped)", figs.get(name, "no output found")))
+        out.append(
+            (
+                name,
+                secs if name in ran else f"{secs} (up to date, skipped)",
+                figs.get(name, "no output found"),
+            )
+        )
     return out
 
 

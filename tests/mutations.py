@@ -29,7 +29,9 @@ def prefix_keys(t, prefix):
 
 def pre_rename_keys(t):
     """`midlayer.*` -> `layers.0.*`: what an SGLang before the model.layers.0 rename drops silently."""
-    return {("layers.0." + k[len("midlayer."):] if k.startswith("midlayer.") else k): v for k, v in t.items()}
+    return {
+        ("layers.0." + k[len("midlayer.") :] if k.startswith("midlayer.") else k): v for k, v in t.items()
+    }
 
 
 def absolute_d2t(t):

@@ -3,8 +3,10 @@
 It stands where SGLang or vLLM stand in production: GET /health and /v1/models, POST /v1/chat/completions (the
 reply is a function of the whole message list, so a turn answered from a wrong prefix shows) and
 /v1/completions (the text is a function of the seed: SYNTH_TEXTS[seed % len]). Behaviours for fault tests:
-`die_after` (answer that many POSTs, then drop the connection and stop listening), `fail_first` (that many 500s
-first), `always` ("500" or "empty": every POST), `bad` ({substring: "500" | "empty"}: a POST whose last message
+`die_after` (answer that many POSTs, then drop the connection and stop listening), `fail_first` (that many
+500s
+first), `always` ("500" or "empty": every POST), `bad` ({substring: "500" | "empty"}: a POST whose last
+message
 contains it), `no_usage` (no usage block: the client counts tokens itself).
 
 In a thread: `server = start(**behaviour)`; `server.posts` lists every POST's body (every request it saw).
@@ -21,7 +23,9 @@ import os
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-ThreadingHTTPServer.request_queue_size = 1024  # eaglepipe sends hundreds of requests at once (prepare.endpoint_concurrency)
+ThreadingHTTPServer.request_queue_size = (
+    1024  # eaglepipe sends hundreds of requests at once (prepare.endpoint_concurrency)
+)
 
 SYNTH_TEXTS = [
     "What is the best way to learn to play the guitar as an adult?",
@@ -75,7 +79,10 @@ class Handler(BaseHTTPRequestHandler):
             return self._send(500, {"error": "overloaded"})
         if self.path == "/v1/chat/completions":
             text = "" if how == "empty" else chat_reply(body["messages"])
-            out = {"object": "chat.completion", "choices": [{"message": {"role": "assistant", "content": text}}]}
+            out = {
+                "object": "chat.completion",
+                "choices": [{"message": {"role": "assistant", "content": text}}],
+            }
         elif self.path == "/v1/completions":
             text = "" if how == "empty" else SYNTH_TEXTS[body.get("seed", 0) % len(SYNTH_TEXTS)]
             out = {"object": "text_completion", "choices": [{"text": text}]}
@@ -91,11 +98,19 @@ class Handler(BaseHTTPRequestHandler):
         pass
 
 
-def start(port: int = 0, die_after=None, fail_first: int = 0, always=None, bad=None, no_usage=False, log=None):
+def start(
+    port: int = 0, die_after=None, fail_first: int = 0, always=None, bad=None, no_usage=False, log=None
+):
     srv = ThreadingHTTPServer(("127.0.0.1", port), Handler)
     srv.daemon_threads = True
     srv.lock, srv.posts, srv.answered = threading.Lock(), [], 0
-    srv.die_after, srv.fail_first, srv.always, srv.no_usage, srv.log = die_after, fail_first, always, no_usage, log
+    srv.die_after, srv.fail_first, srv.always, srv.no_usage, srv.log = (
+        die_after,
+        fail_first,
+        always,
+        no_usage,
+        log,
+    )
     srv.bad = bad or {}
     threading.Thread(target=srv.serve_forever, daemon=True).start()
     srv.url = f"http://127.0.0.1:{srv.server_port}"

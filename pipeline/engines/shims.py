@@ -40,8 +40,11 @@ def install(torchvision: bool = True) -> None:
     import transformers.image_utils  # noqa: F401
     import transformers.modeling_utils  # noqa: F401
 
-    names = ["vllm", "vllm._custom_ops"] + (["torchvision", "torchvision.transforms", "torchvision.io",
-                                             "torchvision.transforms.functional"] if torchvision else [])
+    names = ["vllm", "vllm._custom_ops"] + (
+        ["torchvision", "torchvision.transforms", "torchvision.io", "torchvision.transforms.functional"]
+        if torchvision
+        else []
+    )
     for name in names:
         if name not in sys.modules:
             sys.modules[name] = _module(name)

@@ -33,10 +33,19 @@ def build(export_dir: str, target_dir: str):
 
     target = ModelConfig(model=target_dir, dtype="bfloat16", skip_tokenizer_init=True)
     parallel = ParallelConfig()
-    spec = SpeculativeConfig(method="eagle3", model=export_dir, num_speculative_tokens=3,
-                             target_model_config=target, target_parallel_config=parallel)
-    config = VllmConfig(model_config=target, parallel_config=parallel, speculative_config=spec,
-                        device_config=DeviceConfig(device="cpu"))
+    spec = SpeculativeConfig(
+        method="eagle3",
+        model=export_dir,
+        num_speculative_tokens=3,
+        target_model_config=target,
+        target_parallel_config=parallel,
+    )
+    config = VllmConfig(
+        model_config=target,
+        parallel_config=parallel,
+        speculative_config=spec,
+        device_config=DeviceConfig(device="cpu"),
+    )
     ctx = set_current_vllm_config(config)
     ctx.__enter__()  # vLLM's layers read the current config while they are built
     single_process_world(ps)
@@ -64,18 +73,26 @@ def verify(export_dir: str, target_dir: str) -> dict:
     audit = LoaderAudit(model)
     # vLLM raises on names it cannot place, and on shape mismatches: an error line of the report
     tensors, errors = audit.load(f"{export_dir}/model.safetensors", weight_utils.default_weight_loader)
-    report = audit.report(tensors, not_loaded_by_design={"t2d"}, from_target={"model.embed_tokens.weight"},
-                          errors=errors)
+    report = audit.report(
+        tensors, not_loaded_by_design={"t2d"}, from_target={"model.embed_tokens.weight"}, errors=errors
+    )
     mapping_ok = None
     if "t2d" in tensors and model.draft_id_to_target_id is not None:  # compute_logits: arange + d2t
         targets = torch.arange(len(model.draft_id_to_target_id)) + model.draft_id_to_target_id
         t2d = tensors["t2d"]
         mapping_ok = bool(targets.min() >= 0 and targets.max() < len(t2d)) and torch.equal(
-            targets, torch.nonzero(t2d).flatten())
-    return {"engine": "vllm", "engine_version": vllm.__version__, "class": type(model).__name__,
-            "aux_layer_ids_read": aux_ids_read_by_engine(spec), "uses_aux_hidden_states":
-            bool(model.model.use_aux_hidden_state), "fc_input_size": int(model.model.fc_input_size)
-            if hasattr(model.model, "fc_input_size") else None, "hot_token_id_ok": mapping_ok, **report}
+            targets, torch.nonzero(t2d).flatten()
+        )
+    return {
+        "engine": "vllm",
+        "engine_version": vllm.__version__,
+        "class": type(model).__name__,
+        "aux_layer_ids_read": aux_ids_read_by_engine(spec),
+        "uses_aux_hidden_states": bool(model.model.use_aux_hidden_state),
+        "fc_input_size": int(model.model.fc_input_size) if hasattr(model.model, "fc_input_size") else None,
+        "hot_token_id_ok": mapping_ok,
+        **report,
+    }
 
 
 if __name__ == "__main__":

@@ -10,7 +10,6 @@ import json
 import os
 import shutil
 from pathlib import Path
-from typing import Optional
 
 SCHEMA_VERSION = 1
 STATE = "train_state.json"
@@ -28,7 +27,9 @@ def begin(root: Path, step: int) -> Path:
 
 
 def finish(root: Path, tmp: Path, state: dict, keep_last: int) -> Path:
-    (tmp / STATE).write_text(json.dumps({"schema_version": SCHEMA_VERSION, **state}, indent=1, sort_keys=True))
+    (tmp / STATE).write_text(
+        json.dumps({"schema_version": SCHEMA_VERSION, **state}, indent=1, sort_keys=True)
+    )
     final = step_dir(root, state["optimizer_step"])
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)
@@ -49,7 +50,7 @@ def complete(root: Path) -> list[tuple[Path, dict]]:
     return sorted(found, key=lambda x: x[1]["optimizer_step"])
 
 
-def latest(root: Path) -> Optional[tuple[Path, dict]]:
+def latest(root: Path) -> tuple[Path, dict] | None:
     found = complete(root)
     return found[-1] if found else None
 
@@ -58,8 +59,10 @@ REPLACED = ".replaced"  # train/.replaced/: what a fresh start set aside, delete
 
 
 def set_aside(root: Path) -> int:
-    """A fresh start (train.resume=never, or nothing to resume): move every checkpoint and the final export into
-    root/.replaced/, where resume never looks. They are deleted only when this run commits its first checkpoint
+    """A fresh start (train.resume=never, or nothing to resume): move every checkpoint and the final export
+    into
+    root/.replaced/, where resume never looks. They are deleted only when this run commits its first
+    checkpoint
     (`finish`), so a run that fails before that (a damaged chunk, a crash) has destroyed nothing."""
     moved = _checkpoint_dirs(root)
     if moved:
@@ -71,4 +74,6 @@ def set_aside(root: Path) -> int:
 
 
 def _checkpoint_dirs(root: Path) -> list[Path]:
-    return [d for d in Path(root).glob("step_*") if d.is_dir()] + [d for d in [Path(root) / "final"] if d.is_dir()]
+    return [d for d in Path(root).glob("step_*") if d.is_dir()] + [
+        d for d in [Path(root) / "final"] if d.is_dir()
+    ]

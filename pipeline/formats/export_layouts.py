@@ -8,18 +8,20 @@ vllm 0.33.0 `vllm/model_executor/models/llama_eagle3.py`, `vllm/model_executor/m
   (`set_embed`, EAGLE3 branch of `init_lm_head`); without `draft_vocab_size` in config.json SGLang takes the
   target's lm_head instead of the draft's (`load_lm_head_from_target`).
 - SGLang aux ids: `eagle_config.eagle_aux_hidden_state_layer_ids`, id k = output of decoder layer k (ours) for
-  Llama-family targets; DeepSeek-V2/V3 and Kimi-K2.5 targets number them by their first id (SGLANG_FIRST_ID_RULE).
+  Llama-family targets; DeepSeek-V2/V3 and Kimi-K2.5 targets number them by their first id
+  (SGLANG_FIRST_ID_RULE).
 - vLLM (speculators format): keys `layers.0.*`; aux ids `eagle_aux_hidden_state_layer_ids`, id k = input of
   layer k = our k-1, so vLLM id = ours + 1.
 `sglang_load_report` replays SGLang's name mapping over an export's tensors against the parameter table of
-its module tree: a derived table, kept as the engine-free check; pipeline/engines/ loads into the engines' own classes.
+its module tree: a derived table, kept as the engine-free check; pipeline/engines/ loads into the engines'
+own classes.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
@@ -41,7 +43,9 @@ def draft_owned(tensors: dict) -> dict:
 # `models/deepseek_v2.py::DeepseekV2ForCausalLM`, 0.5.17 and 0.5.23; DeepseekV3ForCausalLM subclasses it and
 # KimiK25ForConditionalGeneration hands the call to its DeepseekV3 language_model): if ids[0] == 1 it captures
 # before layers [k + 1] (as llama.py always does), otherwise before layers [k] as given.
-SGLANG_FIRST_ID_RULE = frozenset({"DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "KimiK25ForConditionalGeneration"})
+SGLANG_FIRST_ID_RULE = frozenset(
+    {"DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "KimiK25ForConditionalGeneration"}
+)
 
 
 class AuxIdsUnservable(ValueError):
@@ -49,8 +53,10 @@ class AuxIdsUnservable(ValueError):
 
 
 def sglang_capture_points(ids: list[int], architecture: str = "") -> list[int]:
-    """What SGLang's target class makes of config ids: the loop indices i whose INPUT (= output of layer i-1) it
-    captures (`model.layers_to_capture`), replayed from the source named above. The contract tests compare this
+    """What SGLang's target class makes of config ids: the loop indices i whose INPUT (= output of layer i-1)
+    it
+    captures (`model.layers_to_capture`), replayed from the source named above. The contract tests compare
+    this
     with the class itself."""
     if architecture in SGLANG_FIRST_ID_RULE and not (ids and ids[0] == 1):
         return list(ids)
@@ -58,14 +64,18 @@ def sglang_capture_points(ids: list[int], architecture: str = "") -> list[int]:
 
 
 def sglang_layer_ids(ours: list[int], architecture: str = "") -> list[int]:
-    """Config ids that make SGLang capture the outputs of our layers `ours` for a target of this architecture."""
+    """Config ids that make SGLang capture the outputs of our layers `ours` for a target of this
+    architecture."""
     if architecture not in SGLANG_FIRST_ID_RULE or (ours and ours[0] == 1):
         return list(ours)
     if ours and ours[0] == 0:
         raise AuxIdsUnservable(
-            f"aux layers {list(ours)} cannot be served by SGLang's {architecture}: its set_eagle3_layers_to_capture "
-            "reads a first id of 1 as 'capture after each listed layer' and any other first id as 'capture before "
-            "it', so the output of layer 0 first cannot be asked for; start the aux layers at 1 or later")
+            f"aux layers {list(ours)} cannot be served by SGLang's {architecture}: its "
+            "set_eagle3_layers_to_capture "
+            "reads a first id of 1 as 'capture after each listed layer' and any other first id as 'capture "
+            "before "
+            "it', so the output of layer 0 first cannot be asked for; start the aux layers at 1 or later"
+        )
     return [k + 1 for k in ours]
 
 
@@ -75,7 +85,8 @@ def vllm_layer_ids(ours: list[int], architecture: str = "") -> list[int]:
 
 @dataclass(frozen=True)
 class Engine:
-    """One serving engine, every fact eaglepipe keeps about it (export, verify, doctor, serve, capture read this)."""
+    """One serving engine, every fact eaglepipe keeps about it (export, verify, doctor, serve, capture read
+    this)."""
 
     name: str
     version: str  # the release these layouts were read from, and that CI's .venv-engines runs
@@ -86,7 +97,9 @@ class Engine:
 
 
 ENGINES = {
-    "sglang": Engine("sglang", "0.5.23", ("0.5.17", "0.5.23"), sglang_layer_ids, "pipeline.engines.sglang_verify"),
+    "sglang": Engine(
+        "sglang", "0.5.23", ("0.5.17", "0.5.23"), sglang_layer_ids, "pipeline.engines.sglang_verify"
+    ),
     "vllm": Engine("vllm", "0.33.0", ("0.33.0", "0.33.0"), vllm_layer_ids, "pipeline.engines.vllm_verify"),
 }
 SGLANG_VERSION = ENGINES["sglang"].version
@@ -109,13 +122,16 @@ class DraftArch:
     name: str
     layer_model_type: str
     sglang_class: str
-    sglang_model_type: str  # config.json model_type of the SGLang export (the config class SGLang parses it with)
+    sglang_model_type: (
+        str  # config.json model_type of the SGLang export (the config class SGLang parses it with)
+    )
     engines: tuple[str, ...]  # engines whose own class and loader eaglepipe verifies this layout against
 
 
 DRAFT_ARCHS = {
     "llama": DraftArch("llama", "llama", "LlamaForCausalLMEagle3", "llama", ("sglang", "vllm")),
-    # sglang models/kimi_k25_eagle3.py (0.5.17 and 0.5.23); its model_type deepseek_v3 parses in both (0.5.23 also
+    # sglang models/kimi_k25_eagle3.py (0.5.17 and 0.5.23); its model_type deepseek_v3 parses in both (0.5.23
+    # also
     # aliases kimi_k2, 0.5.17 does not)
     "mla": DraftArch("mla", "deepseek_v3", "Eagle3DeepseekV2ForCausalLM", "deepseek_v3", ("sglang",)),
 }
@@ -130,14 +146,15 @@ def draft_arch_of(layer_model_type: str) -> DraftArch:
 
 
 def draft_arch_of_export(config: dict) -> DraftArch:
-    """The layout of an SGLang export, from its config.json architectures (Llama's when it names another class:
+    """The layout of an SGLang export, from its config.json architectures (Llama's when it names another
+    class:
     the checks then report the class)."""
     archs = config.get("architectures") or []
     return next((a for a in DRAFT_ARCHS.values() if [a.sglang_class] == archs), DRAFT_ARCHS["llama"])
 
 
 def speculators_to_sglang_name(name: str) -> str:
-    return "midlayer." + name[len("layers.0."):] if name.startswith("layers.0.") else name
+    return "midlayer." + name[len("layers.0.") :] if name.startswith("layers.0.") else name
 
 
 @dataclass
@@ -157,13 +174,17 @@ def sglang_param_table(s: Shape) -> dict[str, tuple[int, ...]]:
     """Parameters of sglang 0.5.23 LlamaForCausalLMEagle3 (one layer), as its module tree declares them."""
     q, kv = s.heads * s.head_dim, s.kv_heads * s.head_dim
     p = "model.layers.0."
-    return {p + "self_attn.qkv_proj.weight": (q + 2 * kv, 2 * s.hidden), p + "self_attn.o_proj.weight": (s.hidden, q),
-            **_eagle3_params(p, s)}
+    return {
+        p + "self_attn.qkv_proj.weight": (q + 2 * kv, 2 * s.hidden),
+        p + "self_attn.o_proj.weight": (s.hidden, q),
+        **_eagle3_params(p, s),
+    }
 
 
 def _eagle3_params(p: str, s) -> dict[str, tuple[int, ...]]:
     """What every SGLang EAGLE-3 draft class declares beside its attention (`p` = its layer's prefix): the
-    embedding, the dense MLP, the three layer norms, fc over the aux states, the final norm, the draft lm_head."""
+    embedding, the dense MLP, the three layer norms, fc over the aux states, the final norm, the draft
+    lm_head."""
     return {
         "model.embed_tokens.weight": (s.vocab, s.hidden),
         p + "mlp.gate_up_proj.weight": (2 * s.intermediate, s.hidden),
@@ -211,8 +232,10 @@ def sglang_mla_param_table(s: MLAShape) -> dict[str, tuple[int, ...]]:
 def sglang_mla_load_report(tensors: dict[str, torch.Tensor], table: dict[str, tuple[int, ...]]) -> dict:
     """Replay Eagle3DeepseekV2ForCausalLM.load_weights' name handling (sglang 0.5.17/0.5.23): `layers.0.` ->
     `midlayer.`, `model.` before all but lm_head; gate/up stacked into gate_up_proj; q_a_proj and
-    kv_a_proj_with_mqa held until BOTH have come, then concatenated into fused_qkv_a_proj_with_mqa (one without
-    the other is never written, and nothing says so); any other unknown name skipped with a log warning only."""
+    kv_a_proj_with_mqa held until BOTH have come, then concatenated into fused_qkv_a_proj_with_mqa (one
+    without
+    the other is never written, and nothing says so); any other unknown name skipped with a log warning
+    only."""
     import re
 
     written: dict[str, list[tuple[int, ...]]] = {}
@@ -250,14 +273,23 @@ def sglang_mla_load_report(tensors: dict[str, torch.Tensor], table: dict[str, tu
 
 SGLANG_FROM_TARGET = {"model.embed_tokens.weight"}  # set_embed(target embedding) for EAGLE3
 MLP_STACKED = [(".gate_up_proj", ".gate_proj", 0), (".gate_up_proj", ".up_proj", 1)]
-STACKED = [(".qkv_proj", ".q_proj", "q"), (".qkv_proj", ".k_proj", "k"), (".qkv_proj", ".v_proj", "v"), *MLP_STACKED]
+STACKED = [
+    (".qkv_proj", ".q_proj", "q"),
+    (".qkv_proj", ".k_proj", "k"),
+    (".qkv_proj", ".v_proj", "v"),
+    *MLP_STACKED,
+]
 
 
 def sglang_load_report(tensors: dict[str, torch.Tensor], table: dict[str, tuple[int, ...]]) -> dict:
     """Replay sglang 0.5.23 load_weights name handling. Returns consumed/dropped keys, unwritten params and
     shape problems (stacked shards are summed along dim 0 and compared with the fused parameter)."""
-    legacy = {"midlayer": "layers.0", "aux_norm_low": "fc_norm.0", "aux_norm_mid": "fc_norm.1",
-              "aux_norm_high": "fc_norm.2"}
+    legacy = {
+        "midlayer": "layers.0",
+        "aux_norm_low": "fc_norm.0",
+        "aux_norm_mid": "fc_norm.1",
+        "aux_norm_high": "fc_norm.2",
+    }
     written: dict[str, list[tuple[int, ...]]] = {}
     dropped, hot_token_id = [], None
     for original, w in tensors.items():
@@ -292,8 +324,12 @@ def _load_report(written: dict, table: dict, dropped: list, hot_token_id) -> dic
         if got != want:
             shape_problems.append(f"{param}: export gives {got}, engine has {want}")
     unwritten = sorted(set(table) - set(written) - SGLANG_FROM_TARGET)
-    return {"dropped": dropped, "unwritten": unwritten, "shape_problems": shape_problems,
-            "hot_token_id": hot_token_id}
+    return {
+        "dropped": dropped,
+        "unwritten": unwritten,
+        "shape_problems": shape_problems,
+        "hot_token_id": hot_token_id,
+    }
 
 
 def draft_kv_bytes_per_token(config: dict, dtype_bytes: int = 2) -> int:
@@ -311,56 +347,106 @@ def tensor_table(tensors: dict[str, torch.Tensor]) -> list[dict]:
     rows = []
     for name, t in sorted(tensors.items()):
         f = t.float() if t.is_floating_point() else t.double()
-        rows.append({"name": name, "shape": list(t.shape), "dtype": str(t.dtype).replace("torch.", ""),
-                     "std": float(f.std()) if f.numel() > 1 else 0.0, "norm": float(f.norm()),
-                     "absmax": float(f.abs().max()) if f.numel() else 0.0,
-                     "finite": bool(torch.isfinite(f).all())})
+        rows.append(
+            {
+                "name": name,
+                "shape": list(t.shape),
+                "dtype": str(t.dtype).replace("torch.", ""),
+                "std": float(f.std()) if f.numel() > 1 else 0.0,
+                "norm": float(f.norm()),
+                "absmax": float(f.abs().max()) if f.numel() else 0.0,
+                "finite": bool(torch.isfinite(f).all()),
+            }
+        )
     return rows
 
 
 def format_table(rows: list[dict]) -> str:
     lines = [f"{'tensor':<44}{'shape':<18}{'dtype':<9}{'std':>11}{'norm':>12}{'absmax':>10}"]
     for r in rows:
-        lines.append(f"{r['name']:<44}{str(tuple(r['shape'])):<18}{r['dtype']:<9}{r['std']:>11.4g}"
-                     f"{r['norm']:>12.4g}{r['absmax']:>10.4g}{'' if r['finite'] else '  NON-FINITE'}")
+        lines.append(
+            f"{r['name']:<44}{str(tuple(r['shape'])):<18}{r['dtype']:<9}{r['std']:>11.4g}"
+            f"{r['norm']:>12.4g}{r['absmax']:>10.4g}{'' if r['finite'] else '  NON-FINITE'}"
+        )
     return "\n".join(lines)
 
 
 def is_dead(row: dict) -> bool:
     """A float weight that is all zeros (or constant) carries nothing: fc zeroed, a layer never loaded."""
-    return row["dtype"].startswith(("bfloat", "float")) and row["norm"] == 0.0 or (
-        row["dtype"].startswith(("bfloat", "float")) and math.prod(row["shape"]) > 1 and row["std"] == 0.0
-        and not row["name"].endswith(("norm.weight", "layernorm.weight")))
+    return (
+        row["dtype"].startswith(("bfloat", "float"))
+        and row["norm"] == 0.0
+        or (
+            row["dtype"].startswith(("bfloat", "float"))
+            and math.prod(row["shape"]) > 1
+            and row["std"] == 0.0
+            and not row["name"].endswith(("norm.weight", "layernorm.weight"))
+        )
+    )
 
 
 SGLANG_CONFIG_KEYS = {  # the layer config keys the SGLang class of each layout reads
-    "llama": ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
-              "rms_norm_eps", "max_position_embeddings", "rope_parameters", "hidden_act", "attention_bias",
-              "bos_token_id", "eos_token_id"),
-    "mla": ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "q_lora_rank",
-            "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "rms_norm_eps",
-            "max_position_embeddings", "rope_parameters", "rope_interleave", "hidden_act", "attention_bias",
-            "bos_token_id", "eos_token_id"),
+    "llama": (
+        "hidden_size",
+        "intermediate_size",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "rms_norm_eps",
+        "max_position_embeddings",
+        "rope_parameters",
+        "hidden_act",
+        "attention_bias",
+        "bos_token_id",
+        "eos_token_id",
+    ),
+    "mla": (
+        "hidden_size",
+        "intermediate_size",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "q_lora_rank",
+        "kv_lora_rank",
+        "qk_rope_head_dim",
+        "qk_nope_head_dim",
+        "v_head_dim",
+        "rms_norm_eps",
+        "max_position_embeddings",
+        "rope_parameters",
+        "rope_interleave",
+        "hidden_act",
+        "attention_bias",
+        "bos_token_id",
+        "eos_token_id",
+    ),
 }
 
 
-def sglang_config(layer: dict, draft_cfg: dict, vocab_size: int, target_hidden: int, aux_ids: list[int],
-                  layout: DraftArch = DRAFT_ARCHS["llama"]) -> dict:
+def sglang_config(
+    layer: dict,
+    draft_cfg: dict,
+    vocab_size: int,
+    target_hidden: int,
+    aux_ids: list[int],
+    layout: DraftArch = DRAFT_ARCHS["llama"],
+) -> dict:
     """config.json of the SGLang export: the layout's class, the layer keys it reads, the aux ids in SGLang's
     numbering (export stage; train builds the same in memory for tau during training)."""
     keep = SGLANG_CONFIG_KEYS[layout.name]
     rope = layer.get("rope_parameters") or {}
     return {
-        "architectures": [layout.sglang_class], "model_type": layout.sglang_model_type,
-        **{k: layer[k] for k in keep if k in layer}, "rope_theta": rope.get("rope_theta", 10000.0),
-        "vocab_size": int(vocab_size), "draft_vocab_size": int(draft_cfg["draft_vocab_size"]),
-        "num_hidden_layers": 1, "tie_word_embeddings": False, "target_hidden_size": int(target_hidden),
+        "architectures": [layout.sglang_class],
+        "model_type": layout.sglang_model_type,
+        **{k: layer[k] for k in keep if k in layer},
+        "rope_theta": rope.get("rope_theta", 10000.0),
+        "vocab_size": int(vocab_size),
+        "draft_vocab_size": int(draft_cfg["draft_vocab_size"]),
+        "num_hidden_layers": 1,
+        "tie_word_embeddings": False,
+        "target_hidden_size": int(target_hidden),
         "torch_dtype": "bfloat16",
-        "eagle_config": {"eagle_aux_hidden_state_layer_ids": aux_ids,
-                         "use_aux_hidden_state": True},
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": aux_ids, "use_aux_hidden_state": True},
     }
-
-
 
 
 def sglang_tensors(weights: dict) -> dict:

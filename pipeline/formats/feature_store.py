@@ -28,11 +28,12 @@ import json
 import os
 import shutil
 import threading
+from collections.abc import Iterator
 from concurrent.futures import wait
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any
 
 import numpy as np
 import torch
@@ -40,7 +41,9 @@ import zarr
 from zarr.codecs import BloscCodec, BloscShuffle, Crc32cCodec
 
 from pipeline.formats import shard_regions
-from pipeline.formats.shard_regions import ALL_CHUNKS  # an all-zero chunk is written too: a missing file is damage
+from pipeline.formats.shard_regions import (
+    ALL_CHUNKS,  # an all-zero chunk is written too: a missing file is damage
+)
 
 SCHEMA_VERSION = 2  # 2: every chunk carries a crc32c (schema 1 had none)
 CHECKSUM = "crc32c"  # per chunk, zarr v3 codec, recorded in the manifest
@@ -67,9 +70,11 @@ class ChunkError(StoreError):
 
     def __init__(self, root: Path, shard: str, array: str, what: str):
         self.shard, self.array = shard, array
-        super().__init__(f"feature store {root}: {shard}/{array}: {what}; re-extract the damaged shards with "
-                         f"`eaglepipe stage=extract extract.repair=true run_dir={Path(root).parent}` (plus the "
-                         f"run's own overrides), `eaglepipe check-store run_dir=...` lists every damaged chunk")
+        super().__init__(
+            f"feature store {root}: {shard}/{array}: {what}; re-extract the damaged shards with "
+            f"`eaglepipe stage=extract extract.repair=true run_dir={Path(root).parent}` (plus the "
+            f"run's own overrides), `eaglepipe check-store run_dir=...` lists every damaged chunk"
+        )
 
 
 def shard_name(index: int) -> str:
@@ -96,33 +101,39 @@ def arrays(facts: dict) -> tuple[str, ...]:
     return ARRAYS + (SCALES if store_dtype(facts) == FP8 else ())
 
 
-def encode_fp8(x: torch.Tensor, groups: int, chunk_rows: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
+def encode_fp8(
+    x: torch.Tensor, groups: int, chunk_rows: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """[N, groups*H] -> (uint8 [N, groups*H] float8_e4m3fn bits, float32 [N, groups] scales), on x's device.
     Each token's each layer is scaled so its largest |value| is e4m3's largest finite value (448): relative
     rounding error <= 2^-4 per element (3 mantissa bits), smaller magnitudes down to e4m3's subnormals.
-    Encoded chunk_rows tokens at a time (default: ~256 MB of fp32 working copy), so a capture batch at Kimi-K2.5's
-    shape (64K tokens x 3 x 7168) needs a chunk's fp32 copies on the GPU, not two of the whole batch's 5.6 GB."""
+    Encoded chunk_rows tokens at a time (default: ~256 MB of fp32 working copy), so a capture batch at
+    Kimi-K2.5's
+    shape (64K tokens x 3 x 7168) needs a chunk's fp32 copies on the GPU, not two of the whole batch's 5.6
+    GB."""
     n, width = x.shape
     if width % groups:
         raise ValueError(f"encode_fp8: width {width} is not {groups} equal groups")
-    rows = chunk_rows or max(1, 2 ** 26 // max(width, 1))
+    rows = chunk_rows or max(1, 2**26 // max(width, 1))
     bits = torch.empty(n, width, dtype=torch.uint8, device=x.device)
     scales = torch.empty(n, groups, dtype=torch.float32, device=x.device)
     for a in range(0, n, rows):
-        g = x[a: a + rows].float().reshape(-1, groups, width // groups)
+        g = x[a : a + rows].float().reshape(-1, groups, width // groups)
         scale = g.abs().amax(-1, keepdim=True).clamp_min(1e-30) / FP8_MAX
-        bits[a: a + rows] = (g / scale).to(torch.float8_e4m3fn).reshape(-1, width).view(torch.uint8)
-        scales[a: a + rows] = scale.squeeze(-1)
+        bits[a : a + rows] = (g / scale).to(torch.float8_e4m3fn).reshape(-1, width).view(torch.uint8)
+        scales[a : a + rows] = scale.squeeze(-1)
     return bits, scales
 
 
 # float8_e4m3fn bit pattern -> its exact float32 value. A gather through it is 3.5x faster on CPU than torch's
-# float8 -> float32 cast, and the same values (the loader decodes every fp8 state: scripts/bench/loader_read.py)
+# float8 -> float32 cast, and the same values (the loader decodes every fp8 state:
+# scripts/bench/loader_read.py)
 _FP8_VALUES = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float().numpy()
 
 
 def decode_fp8(bits: np.ndarray, scale: np.ndarray) -> torch.Tensor:
-    """Inverse of encode_fp8: uint8 [N, groups*H] + float32 [N, groups] -> bf16 [N, groups*H] (the fp32 product
+    """Inverse of encode_fp8: uint8 [N, groups*H] + float32 [N, groups] -> bf16 [N, groups*H] (the fp32
+    product
     of the e4m3 value and its scale, rounded to bf16)."""
     n, groups = scale.shape
     q = _FP8_VALUES[bits].reshape(n, groups, -1)
@@ -141,14 +152,16 @@ def make_compressors(name: str, clevel: int = 3) -> list:
 
 
 # ----------------------------------------------------------------------------------------------- manifest
-def read_manifest(root: Path) -> Optional[dict]:
+def read_manifest(root: Path) -> dict | None:
     path = Path(root) / MANIFEST
     if not path.exists():
         return None
     manifest = json.loads(path.read_text())
     if manifest.get("format") == FORMAT and manifest.get("schema_version") == 1:
-        raise StoreError(f"{path}: schema 1, written by an eaglepipe before chunk checksums; this eaglepipe reads "
-                         f"schema {SCHEMA_VERSION} (crc32c per chunk): extract it again (extract.overwrite=true)")
+        raise StoreError(
+            f"{path}: schema 1, written by an eaglepipe before chunk checksums; this eaglepipe reads "
+            f"schema {SCHEMA_VERSION} (crc32c per chunk): extract it again (extract.overwrite=true)"
+        )
     if manifest.get("format") != FORMAT or manifest.get("schema_version") != SCHEMA_VERSION:
         raise StoreError(
             f"{path}: format {manifest.get('format')!r} schema {manifest.get('schema_version')!r}; "
@@ -164,13 +177,16 @@ def write_manifest(root: Path, manifest: dict) -> None:
     os.replace(tmp, path)
 
 
-_THREADS = threading.Lock()  # flock is per process on NFS (Linux maps it to fcntl locks): threads take this first
+_THREADS = (
+    threading.Lock()
+)  # flock is per process on NFS (Linux maps it to fcntl locks): threads take this first
 
 
 @contextmanager
 def manifest_lock(root: Path):
     """An exclusive lock on the store's manifest (flock on a file beside it): writers in several processes
-    (data-parallel extract) and threads (extract.write_workers) read-modify-replace the manifest one at a time.
+    (data-parallel extract) and threads (extract.write_workers) read-modify-replace the manifest one at a
+    time.
     A writer killed while holding it releases it with its process."""
     with _THREADS, open(Path(root) / LOCK, "a") as f:
         fcntl.flock(f, fcntl.LOCK_EX)
@@ -180,7 +196,7 @@ def manifest_lock(root: Path):
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def add_shard(root: Path, entry: dict, into: Optional[dict] = None) -> dict:
+def add_shard(root: Path, entry: dict, into: dict | None = None) -> dict:
     """Enter one committed shard in the manifest ON DISK, under the lock, and return that manifest: a shard
     committed by another process or thread in the meantime is kept, the list stays ordered by sample_start.
     `into`: the caller's copy, replaced by it under the same lock (so the last commit leaves the newest)."""
@@ -188,8 +204,10 @@ def add_shard(root: Path, entry: dict, into: Optional[dict] = None) -> dict:
         manifest = read_manifest(root)
         if manifest is None:
             raise StoreError(f"{root}: the manifest is gone while shard {entry['name']} was being written")
-        manifest["shards"] = sorted([s for s in manifest["shards"] if s["name"] != entry["name"]] + [entry],
-                                    key=lambda s: s["sample_start"])
+        manifest["shards"] = sorted(
+            [s for s in manifest["shards"] if s["name"] != entry["name"]] + [entry],
+            key=lambda s: s["sample_start"],
+        )
         write_manifest(root, manifest)
         if into is not None:
             into.clear()
@@ -213,15 +231,24 @@ def open_for_writing(root: Path, facts: dict, overwrite: bool = False) -> dict:
         manifest = None
     if manifest is not None and manifest["facts"] != facts:
         if not overwrite:
-            diff = sorted(k for k in set(facts) | set(manifest["facts"]) if facts.get(k) != manifest["facts"].get(k))
-            shown = ", ".join(f"{k}: store={manifest['facts'].get(k)!r} asked={facts.get(k)!r}" for k in diff[:4])
+            diff = sorted(
+                k for k in set(facts) | set(manifest["facts"]) if facts.get(k) != manifest["facts"].get(k)
+            )
+            shown = ", ".join(
+                f"{k}: store={manifest['facts'].get(k)!r} asked={facts.get(k)!r}" for k in diff[:4]
+            )
             raise StoreError(f"{root} holds features made from other inputs ({shown})")
         shutil.rmtree(root)
         manifest = None
     root.mkdir(parents=True, exist_ok=True)
     if manifest is None:
-        manifest = {"format": FORMAT, "schema_version": SCHEMA_VERSION, "checksum": CHECKSUM, "facts": facts,
-                    "shards": []}
+        manifest = {
+            "format": FORMAT,
+            "schema_version": SCHEMA_VERSION,
+            "checksum": CHECKSUM,
+            "facts": facts,
+            "shards": [],
+        }
         write_manifest(root, manifest)
     committed = {s["name"] for s in manifest["shards"]}
     for entry in root.iterdir():  # a shard renamed but not yet in the manifest, or a .tmp: not complete
@@ -231,20 +258,37 @@ def open_for_writing(root: Path, facts: dict, overwrite: bool = False) -> dict:
 
 
 # ------------------------------------------------------------------------------------------------- writer
-WRITERS = ("tensorstore", "zarr")  # extract.writer: the same chunk bytes either way (tests/unit/formats/test_store_writer.py)
+WRITERS = (
+    "tensorstore",
+    "zarr",
+)  # extract.writer: the same chunk bytes either way (tests/unit/formats/test_store_writer.py)
 
 
 def write_with_tensorstore(group_dir: Path, buffers: dict[str, np.ndarray]) -> None:
-    """Every array of `buffers` into the zarr v3 array of that name under `group_dir` (created by zarr-python with
-    its codecs and attributes): tensorstore encodes the chunks (blosc, crc32c) and writes their files on its own
-    threads, all arrays at once, outside the GIL. An all-zero chunk is written too (a missing file is damage)."""
+    """Every array of `buffers` into the zarr v3 array of that name under `group_dir` (created by zarr-python
+    with
+    its codecs and attributes): tensorstore encodes the chunks (blosc, crc32c) and writes their files on its
+    own
+    threads, all arrays at once, outside the GIL. An all-zero chunk is written too (a missing file is
+    damage)."""
     try:
         import tensorstore as ts
     except ImportError:
-        raise StoreError("extract.writer=tensorstore needs the tensorstore package (requirements.txt pins it), "
-                         "or set extract.writer=zarr") from None
-    opened = [ts.open({"driver": "zarr3", "kvstore": {"driver": "file", "path": str(Path(group_dir) / name)},
-                       "open": True, "store_data_equal_to_fill_value": True}) for name in buffers]
+        raise StoreError(
+            "extract.writer=tensorstore needs the tensorstore package (requirements.txt pins it), "
+            "or set extract.writer=zarr"
+        ) from None
+    opened = [
+        ts.open(
+            {
+                "driver": "zarr3",
+                "kvstore": {"driver": "file", "path": str(Path(group_dir) / name)},
+                "open": True,
+                "store_data_equal_to_fill_value": True,
+            }
+        )
+        for name in buffers
+    ]
     writes = [future.result().write(buffer) for future, buffer in zip(opened, buffers.values())]
     for w in writes:
         w.result()  # committed to the files (or the first failure raised here)
@@ -270,11 +314,22 @@ class ShardWriter:
     """
 
     STATES = ("aux_hidden", "last_hidden")  # what writer processes write (the rest is small: this process)
-    PIECES = 32  # chunk-aligned ranges per array handed to the writer processes: none idles while one finishes
+    PIECES = (
+        32  # chunk-aligned ranges per array handed to the writer processes: none idles while one finishes
+    )
 
-    def __init__(self, root: Path, spec: ShardSpec, facts: dict, widths: tuple[int, int],
-                 chunk_tokens: int, compressor: str = "blosc_lz4", clevel: int = 3, shared: bool = False,
-                 writer: str = "tensorstore"):
+    def __init__(
+        self,
+        root: Path,
+        spec: ShardSpec,
+        facts: dict,
+        widths: tuple[int, int],
+        chunk_tokens: int,
+        compressor: str = "blosc_lz4",
+        clevel: int = 3,
+        shared: bool = False,
+        writer: str = "tensorstore",
+    ):
         if writer not in WRITERS:
             raise ValueError(f"unknown store writer {writer!r}; expected one of {', '.join(WRITERS)}")
         self.root, self.spec, self.facts, self.writer = Path(root), spec, facts, writer
@@ -285,10 +340,15 @@ class ShardWriter:
         total = int(self.offsets[-1])
         self.chunk, self.compressors = max(1, min(chunk_tokens, total)), make_compressors(compressor, clevel)
         self.fp8 = store_dtype(facts) == FP8
-        # fp8 bytes have no planes for bit-shuffle to separate; entropy-coded as bytes they shrink to 0.85, with
-        # lz4 + bit-shuffle to 0.99 (SmolLM2 states, docs/feature_store.md): zstd without shuffle, unless `none`
-        self.fp8_compressors = self.compressors if compressor == "none" else \
-            [BloscCodec(cname="zstd", clevel=clevel, shuffle=BloscShuffle.noshuffle), Crc32cCodec()]
+        # fp8 bytes have no planes for bit-shuffle to separate; entropy-coded as bytes they shrink to 0.85,
+        # with
+        # lz4 + bit-shuffle to 0.99 (SmolLM2 states, docs/feature_store.md): zstd without shuffle, unless
+        # `none`
+        self.fp8_compressors = (
+            self.compressors
+            if compressor == "none"
+            else [BloscCodec(cname="zstd", clevel=clevel, shuffle=BloscShuffle.noshuffle), Crc32cCodec()]
+        )
         states = np.uint8 if self.fp8 else np.uint16
         self.buffers = {"input_ids": np.zeros(total, np.int32), "loss_mask": np.zeros(total, np.uint8)}
         specs = {"aux_hidden": ((total, widths[0]), states), "last_hidden": ((total, widths[1]), states)}
@@ -297,20 +357,33 @@ class ShardWriter:
         self.buffers.update(self.shared.arrays if shared else {k: np.zeros(*v) for k, v in specs.items()})
         if self.fp8:
             n_aux = widths[0] // widths[1]
-            self.buffers.update(aux_scale=np.zeros((total, n_aux), np.float32),
-                                last_scale=np.zeros((total, 1), np.float32))
+            self.buffers.update(
+                aux_scale=np.zeros((total, n_aux), np.float32), last_scale=np.zeros((total, 1), np.float32)
+            )
         self.written = np.zeros(len(spec.lengths), dtype=bool)
 
-    def write(self, local_index: int, input_ids: np.ndarray, loss_mask: np.ndarray,
-              aux_hidden: torch.Tensor, last_hidden: torch.Tensor, scales=None) -> None:
+    def write(
+        self,
+        local_index: int,
+        input_ids: np.ndarray,
+        loss_mask: np.ndarray,
+        aux_hidden: torch.Tensor,
+        last_hidden: torch.Tensor,
+        scales=None,
+    ) -> None:
         """bf16 store: bf16 states. fp8 store: the uint8 bits and `scales` = (aux [n, n_aux], last [n, 1]) of
         encode_fp8 (extract encodes on the device, so half the bytes cross to the host)."""
         a, b = int(self.offsets[local_index]), int(self.offsets[local_index + 1])
         n = b - a
         if not (len(input_ids) == len(loss_mask) == aux_hidden.shape[0] == last_hidden.shape[0] == n):
-            raise ValueError(f"sample {self.spec.sample_start + local_index}: lengths disagree with the plan ({n})")
+            raise ValueError(
+                f"sample {self.spec.sample_start + local_index}: lengths disagree with the plan ({n})"
+            )
         if self.fp8 != (scales is not None) or (self.fp8 and aux_hidden.dtype != torch.uint8):
-            raise TypeError(f"a {store_dtype(self.facts)} shard takes {'fp8 bits and scales' if self.fp8 else 'bf16 states'}")
+            raise TypeError(
+                f"a {store_dtype(self.facts)} shard takes "
+                f"{'fp8 bits and scales' if self.fp8 else 'bf16 states'}"
+            )
         self.buffers["input_ids"][a:b] = input_ids
         self.buffers["loss_mask"][a:b] = loss_mask
         if self.fp8:
@@ -329,7 +402,8 @@ class ShardWriter:
         return tokens * (widths[0] + widths[1]) * (1 if fp8 else 2)
 
     def commit(self, manifest: dict, pool=None) -> None:
-        """Write the shard, rename it into place, enter it in the manifest. `pool` (an Executor of processes, with
+        """Write the shard, rename it into place, enter it in the manifest. `pool` (an Executor of processes,
+        with
         shared=True): its processes encode and write chunk-aligned ranges of the states at once."""
         try:
             self._commit(manifest, pool)
@@ -352,22 +426,49 @@ class ShardWriter:
         if self.tmp.exists():
             shutil.rmtree(self.tmp)
         group = zarr.open_group(str(self.tmp), mode="w", zarr_format=3)
-        group.attrs.update({**self.facts, "sample_range": [self.spec.sample_start, self.spec.sample_end],
-                            "num_tokens": int(self.offsets[-1]), "shard_index": self.spec.index})
+        group.attrs.update(
+            {
+                **self.facts,
+                "sample_range": [self.spec.sample_start, self.spec.sample_end],
+                "num_tokens": int(self.offsets[-1]),
+                "shard_index": self.spec.index,
+            }
+        )
         arrays = {}
-        # shapes only: no local view of a (shared) buffer may outlive commit's release, not even in a traceback
+        # shapes only: no local view of a (shared) buffer may outlive commit's release, not even in a
+        # traceback
         for name, (shape, dtype) in {n: (b.shape, b.dtype) for n, b in self.buffers.items()}.items():
             chunk = self.chunk if len(shape) == 2 else min(shape[0], max(self.chunk, ID_CHUNK_TOKENS))
-            arrays[name] = group.create_array(name, shape=shape, chunks=(chunk, *shape[1:]), dtype=dtype,
-                                              compressors=self.fp8_compressors if self.fp8 and dtype == np.uint8
-                                              and len(shape) == 2 else self.compressors, fill_value=0, config=ALL_CHUNKS)
+            arrays[name] = group.create_array(
+                name,
+                shape=shape,
+                chunks=(chunk, *shape[1:]),
+                dtype=dtype,
+                compressors=self.fp8_compressors
+                if self.fp8 and dtype == np.uint8 and len(shape) == 2
+                else self.compressors,
+                fill_value=0,
+                config=ALL_CHUNKS,
+            )
             if name in self.STATES:
-                arrays[name].attrs.update({"logical_dtype": LOGICAL_DTYPE, "storage_dtype": str(dtype)} if not self.fp8
-                                          else {"logical_dtype": LOGICAL_DTYPE, "storage_dtype": "uint8",
-                                                "encoding": f"{FP8}: value = float8_e4m3fn(bits) x {name[:-7]}_scale"})
-        jobs = [] if pool is None else [  # the writer processes start on the states, this process writes the rest
-            pool.submit(shard_regions.write_region, str(self.tmp / name), self.shared.handle(name), a, b)
-            for name in self.STATES for a, b in shard_regions.regions(len(self.buffers[name]), self.chunk, self.PIECES)]
+                arrays[name].attrs.update(
+                    {"logical_dtype": LOGICAL_DTYPE, "storage_dtype": str(dtype)}
+                    if not self.fp8
+                    else {
+                        "logical_dtype": LOGICAL_DTYPE,
+                        "storage_dtype": "uint8",
+                        "encoding": f"{FP8}: value = float8_e4m3fn(bits) x {name[:-7]}_scale",
+                    }
+                )
+        jobs = (
+            []
+            if pool is None
+            else [  # the writer processes start on the states, this process writes the rest
+                pool.submit(shard_regions.write_region, str(self.tmp / name), self.shared.handle(name), a, b)
+                for name in self.STATES
+                for a, b in shard_regions.regions(len(self.buffers[name]), self.chunk, self.PIECES)
+            ]
+        )
         try:
             mine = [name for name in arrays if not (jobs and name in self.STATES)]
             if self.writer == "tensorstore":
@@ -382,8 +483,16 @@ class ShardWriter:
         group.create_array("offsets", data=self.offsets, compressors=[Crc32cCodec()], config=ALL_CHUNKS)
         os.replace(self.tmp, self.final)
         # the caller's copy becomes what is on disk, other processes' and threads' shards included
-        add_shard(self.root, {"name": self.final.name, "sample_start": self.spec.sample_start,
-                              "sample_end": self.spec.sample_end, "num_tokens": int(self.offsets[-1])}, into=manifest)
+        add_shard(
+            self.root,
+            {
+                "name": self.final.name,
+                "sample_start": self.spec.sample_start,
+                "sample_end": self.spec.sample_end,
+                "num_tokens": int(self.offsets[-1]),
+            },
+            into=manifest,
+        )
 
 
 # ------------------------------------------------------------------------------------------------- reader
@@ -429,12 +538,17 @@ class FeatureStore(FactsView):
             try:
                 g = zarr.open_group(str(self.root / name), mode="r")
             except (FileNotFoundError, ValueError, KeyError) as e:
-                raise ChunkError(self.root, name, "(group)", f"cannot be opened ({type(e).__name__}: {e})") from None
+                raise ChunkError(
+                    self.root, name, "(group)", f"cannot be opened ({type(e).__name__}: {e})"
+                ) from None
             for array in arrays(self.facts):
                 missing = missing_chunks(self.root / name, g, array) if array in g else ["the whole array"]
                 if missing:
-                    raise ChunkError(self.root, name, array, f"{len(missing)} chunk file(s) missing ({missing[0]})")
-            # the array handles, opened once: opening one parses its metadata (~1 ms, 20% of a loader's read time
+                    raise ChunkError(
+                        self.root, name, array, f"{len(missing)} chunk file(s) missing ({missing[0]})"
+                    )
+            # the array handles, opened once: opening one parses its metadata (~1 ms, 20% of a loader's read
+            # time
             # when it happened per read: scripts/bench/loader_read.py)
             self._groups[name] = {array: g[array] for array in arrays(self.facts)}
             self._offsets[name] = _read(self.root, name, g, "offsets", slice(None))
@@ -462,27 +576,38 @@ class FeatureStore(FactsView):
         shard, local = self._locate(index)
         group, offsets = self._group(shard["name"])
         rows = slice(int(offsets[local]), int(offsets[local + 1]))
-        return {"input_ids": torch.from_numpy(_read(self.root, shard["name"], group, "input_ids", rows).astype(np.int64)),
-                "loss_mask": torch.from_numpy(_read(self.root, shard["name"], group, "loss_mask", rows))}
+        return {
+            "input_ids": torch.from_numpy(
+                _read(self.root, shard["name"], group, "input_ids", rows).astype(np.int64)
+            ),
+            "loss_mask": torch.from_numpy(_read(self.root, shard["name"], group, "loss_mask", rows)),
+        }
 
     def sample_lengths(self) -> np.ndarray:
-        return np.concatenate([np.diff(self._group(s["name"])[1]) for s in self.shards]) if self.shards \
+        return (
+            np.concatenate([np.diff(self._group(s["name"])[1]) for s in self.shards])
+            if self.shards
             else np.zeros(0, dtype=np.int64)
+        )
 
     def iter_tokens(self) -> Iterator[tuple[np.ndarray, np.ndarray]]:
         """(input_ids, loss_mask) of each shard, without reading hidden states."""
         for s in self.shards:
             group, _ = self._group(s["name"])
-            yield (_read(self.root, s["name"], group, "input_ids", slice(None)),
-                   _read(self.root, s["name"], group, "loss_mask", slice(None)))
+            yield (
+                _read(self.root, s["name"], group, "input_ids", slice(None)),
+                _read(self.root, s["name"], group, "loss_mask", slice(None)),
+            )
 
     def manifest_hash(self) -> str:
         import hashlib
+
         return hashlib.sha256((self.root / MANIFEST).read_bytes()).hexdigest()[:16]
 
     def _slice(self, shard: str, group, a: int, b: int) -> dict[str, torch.Tensor]:
         def read(array):
             return _read(self.root, shard, group, array, slice(a, b))
+
         if store_dtype(self.facts) == FP8:
             aux, last = (decode_fp8(read(f"{n}_hidden"), read(f"{n}_scale")) for n in ("aux", "last"))
         else:
@@ -513,13 +638,18 @@ def _read(root: Path, shard: str, group, array: str, rows: slice) -> np.ndarray:
         start, stop, _ = rows.indices(arr.shape[0])
         n = arr.chunks[0]
         bad = [i for i in range(start // n, (stop - 1) // n + 1) if _chunk_fails(arr, i)]
-        raise ChunkError(root, shard, array, f"chunk {', '.join(map(str, bad)) or '?'} fails its {CHECKSUM} check "
-                                             f"(damaged or truncated: {type(e).__name__})") from None
+        raise ChunkError(
+            root,
+            shard,
+            array,
+            f"chunk {', '.join(map(str, bad)) or '?'} fails its {CHECKSUM} check "
+            f"(damaged or truncated: {type(e).__name__})",
+        ) from None
 
 
 def _chunk_fails(arr, i: int) -> bool:
     try:
-        arr[i * arr.chunks[0]: (i + 1) * arr.chunks[0]]
+        arr[i * arr.chunks[0] : (i + 1) * arr.chunks[0]]
         return False
     except (ValueError, RuntimeError):
         return True
@@ -533,7 +663,8 @@ def missing_chunks(shard_dir: Path, group, array: str) -> list[str]:
 
 
 def verify_store(root: Path | str) -> list[dict]:
-    """Read and check every chunk of every committed shard; one {shard, array, chunk, problem} per bad chunk."""
+    """Read and check every chunk of every committed shard; one {shard, array, chunk, problem} per bad
+    chunk."""
     root = Path(root)
     manifest = read_manifest(root)
     if manifest is None:
@@ -543,7 +674,9 @@ def verify_store(root: Path | str) -> list[dict]:
         try:
             group = zarr.open_group(str(root / s["name"]), mode="r")
         except (FileNotFoundError, ValueError, KeyError) as e:
-            bad.append({"shard": s["name"], "array": "(group)", "chunk": None, "problem": f"cannot be opened: {e}"})
+            bad.append(
+                {"shard": s["name"], "array": "(group)", "chunk": None, "problem": f"cannot be opened: {e}"}
+            )
             continue
         for array in arrays(manifest["facts"]):
             if array not in group:
@@ -554,9 +687,17 @@ def verify_store(root: Path | str) -> list[dict]:
             for i in range(arr.cdata_shape[0]):
                 key = f"{array}/{arr.metadata.encode_chunk_key((i,) + (0,) * (arr.ndim - 1))}"
                 if key in missing:
-                    bad.append({"shard": s["name"], "array": array, "chunk": i, "problem": "chunk file missing"})
+                    bad.append(
+                        {"shard": s["name"], "array": array, "chunk": i, "problem": "chunk file missing"}
+                    )
                     continue
                 if _chunk_fails(arr, i):
-                    bad.append({"shard": s["name"], "array": array, "chunk": i,
-                                "problem": f"fails its {CHECKSUM} check (damaged or truncated)"})
+                    bad.append(
+                        {
+                            "shard": s["name"],
+                            "array": array,
+                            "chunk": i,
+                            "problem": f"fails its {CHECKSUM} check (damaged or truncated)",
+                        }
+                    )
     return bad

@@ -10,7 +10,6 @@ import json
 import os
 import shutil
 from pathlib import Path
-from typing import Optional
 
 from pipeline.errors import UserError
 
@@ -24,9 +23,14 @@ def folder(run_dir: Path | str) -> Path:
 def save(out: Path, rows: dict, stats: dict) -> None:
     import datasets
 
-    features = datasets.Features({
-        "input_ids": datasets.Sequence(datasets.Value("int32")), "loss_mask": datasets.Sequence(datasets.Value("uint8")),
-        "sample_id": datasets.Value("int64"), "source_id": datasets.Value("string")})
+    features = datasets.Features(
+        {
+            "input_ids": datasets.Sequence(datasets.Value("int32")),
+            "loss_mask": datasets.Sequence(datasets.Value("uint8")),
+            "sample_id": datasets.Value("int64"),
+            "source_id": datasets.Value("string"),
+        }
+    )
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     datasets.Dataset.from_dict(rows, features=features).save_to_disk(str(tmp))
@@ -35,8 +39,9 @@ def save(out: Path, rows: dict, stats: dict) -> None:
     os.replace(tmp, out)
 
 
-def heldout_samples(run_dir: Path | str) -> Optional[list[int]]:
-    """The sample ids data=mix set aside (stats.json `heldout_samples`): train validates on exactly these, never
+def heldout_samples(run_dir: Path | str) -> list[int] | None:
+    """The sample ids data=mix set aside (stats.json `heldout_samples`): train validates on exactly these,
+    never
     trains on them. None: no prepared folder here (a feature store copied alone); [] (or the key absent, a set
     prepared before data=mix existed): none set aside, train holds out train.val_fraction by sample."""
     path = folder(run_dir) / "stats.json"
@@ -48,7 +53,7 @@ def heldout_samples(run_dir: Path | str) -> Optional[list[int]]:
     return ids
 
 
-def load(run_dir: Path | str, limit: Optional[int] = None):
+def load(run_dir: Path | str, limit: int | None = None):
     """(dataset, stats) of a prepared folder, or a UserError telling which stage to run."""
     import datasets
 
@@ -57,7 +62,9 @@ def load(run_dir: Path | str, limit: Optional[int] = None):
         raise UserError(f"no prepared data under {out}; run stage=prepare first")
     stats = json.loads((out / "stats.json").read_text())
     if stats.get("schema_version") != SCHEMA_VERSION:
-        raise UserError(f"{out} has schema {stats.get('schema_version')}, expected {SCHEMA_VERSION}; rerun stage=prepare")
+        raise UserError(
+            f"{out} has schema {stats.get('schema_version')}, expected {SCHEMA_VERSION}; rerun stage=prepare"
+        )
     ds = datasets.load_from_disk(str(out))
     if limit is not None:
         ds = ds.select(range(min(limit, len(ds))))

@@ -1,10 +1,15 @@
-"""One shard written by several processes: its host buffers live in POSIX shared memory, and each writer process
+"""One shard written by several processes: its host buffers live in POSIX shared memory, and each writer
+process
 encodes and writes a chunk-aligned token range of an array (zarr writes disjoint chunks independently).
 
-Why processes: on the H200 two or four commit threads made extract slower than one. What processes give, measured
-there (docs/feature_store.md, writing protocol 5): 1.6x into /dev/shm, nothing on that VM's disk, whose limit lies
-outside any one process; on a 2-core CPU one process already keeps 1.3-1.6 cores busy. The format is unchanged:
-the chunks are byte for byte those one process writes. Pure: numpy and zarr only, no torch (the writer processes import this
+Why processes: on the H200 two or four commit threads made extract slower than one. What processes give,
+measured
+there (docs/feature_store.md, writing protocol 5): 1.6x into /dev/shm, nothing on that VM's disk, whose limit
+lies
+outside any one process; on a 2-core CPU one process already keeps 1.3-1.6 cores busy. The format is
+unchanged:
+the chunks are byte for byte those one process writes. Pure: numpy and zarr only, no torch (the writer
+processes import this
 module alone).
 """
 
@@ -31,10 +36,13 @@ def shm_free_bytes() -> int:
 
 class SharedArrays:
     """Named zero-filled numpy arrays in shared memory, owned by the process that made them; `handle(name)` is
-    what a writer process needs to attach one. `release()` unmaps and unlinks them: no view of them may be used
-    after it (numpy does not pin the mapping; a read would fault). A run killed with its segments is cleaned by the
+    what a writer process needs to attach one. `release()` unmaps and unlinks them: no view of them may be
+    used
+    after it (numpy does not pin the mapping; a read would fault). A run killed with its segments is cleaned
+    by the
     resource tracker once the last writer process is gone (writers exit with their parent: `watch_parent`).
-    The pages are reserved when made (posix_fallocate), so a full /dev/shm is an OSError here, never a SIGBUS later."""
+    The pages are reserved when made (posix_fallocate), so a full /dev/shm is an OSError here, never a SIGBUS
+    later."""
 
     def __init__(self, specs: dict[str, tuple[tuple[int, ...], np.dtype]]):
         self.segments: dict[str, shared_memory.SharedMemory] = {}
@@ -62,7 +70,8 @@ class SharedArrays:
 
 
 def regions(total: int, chunk: int, pieces: int) -> list[tuple[int, int]]:
-    """[start, stop) token ranges covering `total`, each a whole number of chunks (the last may end short), at most
+    """[start, stop) token ranges covering `total`, each a whole number of chunks (the last may end short),
+    at most
     `pieces` of them: no two writers ever touch one chunk."""
     chunks = -(-total // chunk)
     per = max(1, -(-chunks // max(1, pieces)))
@@ -70,7 +79,8 @@ def regions(total: int, chunk: int, pieces: int) -> list[tuple[int, int]]:
 
 
 def write_region(array_path: str, handle: tuple[str, tuple[int, ...], str], start: int, stop: int) -> None:
-    """Rows start:stop of the shared buffer `handle` into the zarr array at `array_path` (already created, with its
+    """Rows start:stop of the shared buffer `handle` into the zarr array at `array_path` (already created,
+    with its
     codecs); run in a writer process."""
     seg_name, shape, dtype = handle
     seg = shared_memory.SharedMemory(name=seg_name)

@@ -40,7 +40,9 @@ def build(freq: np.ndarray, draft_vocab_size: int) -> tuple[torch.Tensor, torch.
     return d2t, t2d, max(0, draft_vocab_size - len(seen))
 
 
-def validate(d2t: torch.Tensor, t2d: torch.Tensor, target_vocab_size: int, draft_vocab_size: int | None = None) -> None:
+def validate(
+    d2t: torch.Tensor, t2d: torch.Tensor, target_vocab_size: int, draft_vocab_size: int | None = None
+) -> None:
     problems = []
     if d2t.dtype != torch.int64 or d2t.ndim != 1:
         problems.append(f"d2t must be 1-D int64, got {tuple(d2t.shape)} {d2t.dtype}")
@@ -51,8 +53,10 @@ def validate(d2t: torch.Tensor, t2d: torch.Tensor, target_vocab_size: int, draft
     if problems:
         raise VocabError("; ".join(problems))
     if t2d.any() and d2t.shape[0] == int(t2d.sum()) and torch.equal(d2t, torch.nonzero(t2d).flatten()):
-        raise VocabError("d2t holds absolute target ids (d2t[i] = the i-th draft token's target id); engines "
-                         "compute target = i + d2t[i], so d2t must hold offsets: d2t[i] = target_id - i")
+        raise VocabError(
+            "d2t holds absolute target ids (d2t[i] = the i-th draft token's target id); engines "
+            "compute target = i + d2t[i], so d2t must hold offsets: d2t[i] = target_id - i"
+        )
     target = torch.arange(d2t.shape[0]) + d2t
     if not bool((target[1:] > target[:-1]).all()):
         problems.append("i + d2t[i] is not strictly increasing")
@@ -72,8 +76,14 @@ def save(out: Path, d2t: torch.Tensor, t2d: torch.Tensor, freq: np.ndarray, info
     out.mkdir(parents=True, exist_ok=True)
     save_file({"d2t": d2t.contiguous(), "t2d": t2d.contiguous()}, str(out / "vocab.safetensors"))
     np.save(out / "token_freq.npy", freq.astype(np.int64))
-    manifest = {"format": FORMAT, "schema_version": SCHEMA_VERSION, "draft_vocab_size": int(d2t.shape[0]),
-                "target_vocab_size": len(freq), "d2t_semantics": "target_id = draft_id + d2t[draft_id]", **info}
+    manifest = {
+        "format": FORMAT,
+        "schema_version": SCHEMA_VERSION,
+        "draft_vocab_size": int(d2t.shape[0]),
+        "target_vocab_size": len(freq),
+        "d2t_semantics": "target_id = draft_id + d2t[draft_id]",
+        **info,
+    }
     tmp = out / "manifest.json.tmp"
     tmp.write_text(json.dumps(manifest, indent=1, sort_keys=True))
     os.replace(tmp, out / "manifest.json")  # written last: its presence means complete

@@ -1,4 +1,5 @@
-"""FSDP2 for the draft (`train.strategy=fsdp`): full-shard every parameter over the ranks, checkpoint the shards
+"""FSDP2 for the draft (`train.strategy=fsdp`): full-shard every parameter over the ranks, checkpoint the
+shards
 with torch.distributed.checkpoint, gather the full weights once for train/final/.
 
 accelerate 1.15 cannot do this on CPU (its FSDP switch exists only for GPU distributed types; with `--cpu` the
@@ -10,7 +11,8 @@ CPU (gloo) and GPU (nccl).
 - Units: each decoder layer, the fc, the (frozen) target embedding and the two (frozen) heads are their own
   FSDP unit, then the root: at most one unit's parameters are gathered at a time. Frozen parameters are
   sharded too (no gradient, not in the optimizer: the optimizer is built over requires_grad ones only).
-- Checkpoints hold the trainable parameters and the optimizer state, sharded (`dcp/`), and resume on any number
+- Checkpoints hold the trainable parameters and the optimizer state, sharded (`dcp/`), and resume on any
+number
   of ranks (DCP reshards on load). The frozen ones are rebuilt from the target at every start, as on DDP.
 """
 
@@ -24,8 +26,10 @@ DCP_DIR = "dcp"
 
 
 def shard(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
-    """Shard in place. Parameters stay fp32 and are gathered in fp32: the forward runs under accelerate's autocast,
-    as DDP's does, so both strategies compute the same thing (bf16 gathers would halve the traffic, not the math)."""
+    """Shard in place. Parameters stay fp32 and are gathered in fp32: the forward runs under accelerate's
+    autocast,
+    as DDP's does, so both strategies compute the same thing (bf16 gathers would halve the traffic, not the
+    math)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -63,12 +67,18 @@ def load(folder: Path, model, optimizer) -> None:
     msd, osd = get_state_dict(model, _inner(optimizer), options=_options())
     state = {"model": msd, "optim": osd}
     dcp.load(state, checkpoint_id=str(Path(folder) / DCP_DIR))
-    set_state_dict(model, _inner(optimizer), model_state_dict=state["model"], optim_state_dict=state["optim"],
-                   options=_options())
+    set_state_dict(
+        model,
+        _inner(optimizer),
+        model_state_dict=state["model"],
+        optim_state_dict=state["optim"],
+        options=_options(),
+    )
 
 
 def full_state_dict(model) -> dict:
-    """The unsharded weights on rank 0 (fp32, on the CPU); {} on the other ranks. A collective: every rank calls."""
+    """The unsharded weights on rank 0 (fp32, on the CPU); {} on the other ranks. A collective: every rank
+    calls."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
     return get_model_state_dict(model, options=_options(full=True))

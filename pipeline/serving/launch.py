@@ -2,8 +2,10 @@
 
 `serve_command` builds the line export writes into serve.sh (from the export's target path and the serve
 settings: num_steps, topk, num_draft_tokens, sglang_args, vllm_args); `write_serve` writes serve.sh and, when
-the folder has one, export_manifest.json's `serve` (the settings and how they were chosen: `{"by": "config"}` at
-export, `{"by": "measurement", "table": ...}` from `eaglepipe tune-serve`). Export and tune-serve both call it.
+the folder has one, export_manifest.json's `serve` (the settings and how they were chosen: `{"by": "config"}`
+at
+export, `{"by": "measurement", "table": ...}` from `eaglepipe tune-serve`). Export and tune-serve both call
+it.
 """
 
 from __future__ import annotations
@@ -18,11 +20,16 @@ SPEC_KEYS = ("num_steps", "topk", "num_draft_tokens")
 
 
 def settings(serve) -> dict:
-    """The serve settings as a plain dict (export.serve's DictConfig, a manifest's record, a sweep candidate)."""
+    """The serve settings as a plain dict (export.serve's DictConfig, a manifest's record, a sweep
+    candidate)."""
     d = dict(serve)
-    return {"num_steps": int(d["num_steps"]), "topk": int(d["topk"]), "num_draft_tokens": int(d["num_draft_tokens"]),
-            "sglang_args": [str(a) for a in d.get("sglang_args") or []],
-            "vllm_args": [str(a) for a in d.get("vllm_args") or []]}
+    return {
+        "num_steps": int(d["num_steps"]),
+        "topk": int(d["topk"]),
+        "num_draft_tokens": int(d["num_draft_tokens"]),
+        "sglang_args": [str(a) for a in d.get("sglang_args") or []],
+        "vllm_args": [str(a) for a in d.get("vllm_args") or []],
+    }
 
 
 def serve_command(engine: str, target: str, export: Path, serve) -> str:
@@ -30,10 +37,12 @@ def serve_command(engine: str, target: str, export: Path, serve) -> str:
     extra = s[f"{engine}_args"]
     tail = (" " + shlex.join(extra)) if extra else ""
     if engine == "sglang":
-        return (f"python -m sglang.launch_server --model-path {target} --speculative-algorithm EAGLE3 "
-                f"--speculative-draft-model-path {export} --speculative-num-steps {s['num_steps']} "
-                f"--speculative-eagle-topk {s['topk']} --speculative-num-draft-tokens {s['num_draft_tokens']} "
-                f"--dtype bfloat16{tail}")
+        return (
+            f"python -m sglang.launch_server --model-path {target} --speculative-algorithm EAGLE3 "
+            f"--speculative-draft-model-path {export} --speculative-num-steps {s['num_steps']} "
+            f"--speculative-eagle-topk {s['topk']} --speculative-num-draft-tokens {s['num_draft_tokens']} "
+            f"--dtype bfloat16{tail}"
+        )
     spec = json.dumps({"method": "eagle3", "model": str(export), "num_speculative_tokens": s["num_steps"]})
     return f"vllm serve {target} --speculative-config '{spec}' --dtype bfloat16{tail}"
 
@@ -42,11 +51,13 @@ def plain_command(target: str, serve) -> str:
     """The same SGLang server without speculation: the baseline a speedup is measured against."""
     extra = settings(serve)["sglang_args"]
     return f"python -m sglang.launch_server --model-path {target} --dtype bfloat16" + (
-        (" " + shlex.join(extra)) if extra else "")
+        (" " + shlex.join(extra)) if extra else ""
+    )
 
 
 def with_flag(args: list[str], flag: str, value) -> list[str]:
-    """args with `flag value` set: an existing `flag v` / `flag=v` replaced, else appended; value None: as is."""
+    """args with `flag value` set: an existing `flag v` / `flag=v` replaced, else appended; value None: as
+    is."""
     if value is None:
         return list(args)
     out, i = [], 0
@@ -81,8 +92,9 @@ def argv_of(line: str, prefix: str | None, extra: list[str]) -> list[str]:
     return [*program, *argv[first:], *[str(a) for a in extra]]
 
 
-def write_serve(folder: Path, engine: str, target: str, draft: Path, serve, chosen_by: dict,
-                manifest: dict | None = None) -> dict:
+def write_serve(
+    folder: Path, engine: str, target: str, draft: Path, serve, chosen_by: dict, manifest: dict | None = None
+) -> dict:
     """serve.sh (executable) of the export in `folder`, and the manifest's `serve` record: into `manifest` if
     given (export, before it writes the manifest), else into folder/export_manifest.json if it exists."""
     (folder / "serve.sh").write_text(serve_command(engine, target, draft, serve) + "\n")

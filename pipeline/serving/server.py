@@ -35,7 +35,8 @@ class Server:
         return self.proc.pid if self.proc else None  # start_new_session: the leader's pid is the group's id
 
     def alive(self) -> bool:
-        """The group's leader still runs. Read without reaping it: a zombie leader keeps its group id reserved, so
+        """The group's leader still runs. Read without reaping it: a zombie leader keeps its group id
+        reserved, so
         stop() can never signal another group that reused the number."""
         if self.proc is None or self.proc.returncode is not None:
             return False
@@ -53,14 +54,25 @@ class Server:
 
     def why_dead(self) -> str:
         tail = self.log_tail()
-        return f"exited with code {self.proc.returncode}" + (f"; its log ends: {tail}" if tail else "") + \
-            f" ({self.log_path})"
+        return (
+            f"exited with code {self.proc.returncode}"
+            + (f"; its log ends: {tail}" if tail else "")
+            + f" ({self.log_path})"
+        )
 
 
-def start(argv: list[str], port: int, log_path: Path, timeout_s: float, env: dict | None = None,
-          host: str = "127.0.0.1", timeout_knob: str = "tune.start_timeout_s") -> tuple[Server, str | None]:
+def start(
+    argv: list[str],
+    port: int,
+    log_path: Path,
+    timeout_s: float,
+    env: dict | None = None,
+    host: str = "127.0.0.1",
+    timeout_knob: str = "tune.start_timeout_s",
+) -> tuple[Server, str | None]:
     """Start argv (its --host/--port already set to host:port) in a new session, with `env` added to this
-    environment, and wait for GET /health. (server, None) once healthy; (server, reason) if it exited or was not
+    environment, and wait for GET /health. (server, None) once healthy; (server, reason) if it exited or was
+    not
     healthy within timeout_s (then it is already stopped); the reason names `timeout_knob`."""
     import httpx
 
@@ -68,8 +80,14 @@ def start(argv: list[str], port: int, log_path: Path, timeout_s: float, env: dic
     server = Server(argv, f"http://{host}:{port}", log_path)
     with open(log_path, "wb") as out:
         try:
-            server.proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                           start_new_session=True, env={**os.environ, **(env or {})})
+            server.proc = subprocess.Popen(
+                argv,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+                env={**os.environ, **(env or {})},
+            )
         except OSError as e:  # no such program: the launch line's (tune.launch_prefix) first word
             return server, f"cannot run {argv[0]!r}: {e.strerror}"
     log.info("server (pgid %d) starting: %s", server.pgid, " ".join(argv))
@@ -89,12 +107,16 @@ def start(argv: list[str], port: int, log_path: Path, timeout_s: float, env: dic
         stop(server)
         raise
     stop(server)
-    return server, f"not healthy within {timeout_s:.0f} s ({timeout_knob}); its log ends: {server.log_tail()} " \
-                   f"({server.log_path})"
+    return (
+        server,
+        f"not healthy within {timeout_s:.0f} s ({timeout_knob}); its log ends: {server.log_tail()} "
+        f"({server.log_path})",
+    )
 
 
 def stop(server: Server, grace_s: float = 30.0) -> None:
-    """SIGTERM to the server's process group, then (the leader gone, or after grace_s) SIGKILL to what is left of
+    """SIGTERM to the server's process group, then (the leader gone, or after grace_s) SIGKILL to what is
+    left of
     the group; the leader is reaped last, so the group id stays ours until then."""
     if server.proc is None or server.proc.returncode is not None:
         return
@@ -116,7 +138,8 @@ def _signal(pgid: int, sig: int) -> None:
 
 @contextmanager
 def sigterm_unwinds():
-    """Inside, SIGTERM to this process raises SystemExit, so the `finally` blocks that stop its servers run (the
+    """Inside, SIGTERM to this process raises SystemExit, so the `finally` blocks that stop its servers run
+    (the
     default action would leave them running in their own sessions). Main thread only; elsewhere a no-op."""
     if threading.current_thread() is not threading.main_thread():
         yield

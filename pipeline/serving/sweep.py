@@ -1,10 +1,13 @@
 """The speculative settings chosen by measurement (`eaglepipe tune-serve`, docs/serving.md).
 
-Every candidate of the grid (num_steps x topk x num_draft_tokens x attention backend x CUDA-graph max batch) is
+Every candidate of the grid (num_steps x topk x num_draft_tokens x attention backend x CUDA-graph max batch)
+is
 started from the export's own launch line (pipeline/serving/launch.py) with its settings, as its own process
-group, waited for, run through the firm bench (pipeline/acceptance/online.py: warm-up, repeats interleaved with
+group, waited for, run through the firm bench (pipeline/acceptance/online.py: warm-up, repeats interleaved
+with
 one baseline server, median and spread per concurrency) and stopped. The winner is the candidate with the
-highest median speculative tokens/s at the objective concurrency among those whose bench completed like for like;
+highest median speculative tokens/s at the objective concurrency among those whose bench completed like for
+like;
 a candidate that fails to start, is refused, runs other settings than asked, or dies mid-bench is in the table
 with its reason and never chosen.
 """
@@ -23,10 +26,15 @@ from pipeline.serving import launch, server
 log = logging.getLogger(__name__)
 AXES = ("num_steps", "topk", "num_draft_tokens", "attention_backend", "cuda_graph_max_bs")
 FLAGS = {"attention_backend": "--attention-backend", "cuda_graph_max_bs": "--cuda-graph-max-bs"}
-# what SGLang's /get_server_info calls each setting: a candidate whose server reports another value did not run
-REPORTED = {"num_steps": "speculative_num_steps", "topk": "speculative_eagle_topk",
-            "num_draft_tokens": "speculative_num_draft_tokens", "attention_backend": "attention_backend",
-            "cuda_graph_max_bs": "cuda_graph_max_bs"}
+# what SGLang's /get_server_info calls each setting: a candidate whose server reports another value did not
+# run
+REPORTED = {
+    "num_steps": "speculative_num_steps",
+    "topk": "speculative_eagle_topk",
+    "num_draft_tokens": "speculative_num_draft_tokens",
+    "attention_backend": "attention_backend",
+    "cuda_graph_max_bs": "cuda_graph_max_bs",
+}
 
 
 @dataclass
@@ -43,7 +51,8 @@ class Bench:
 
 @dataclass
 class Plan:
-    """What to sweep: the export's target and draft path, its serve settings, the grid, how to start servers."""
+    """What to sweep: the export's target and draft path, its serve settings, the grid, how to start
+    servers."""
 
     target: str
     draft: str
@@ -75,7 +84,8 @@ def candidates(grid: dict) -> tuple[list[dict], list[dict]]:
 
 
 def serve_of(base: dict, c: dict) -> dict:
-    """The export's serve settings with a candidate's: the speculative numbers, the flags of the other axes."""
+    """The export's serve settings with a candidate's: the speculative numbers, the flags of the other
+    axes."""
     args = base["sglang_args"]
     for axis, flag in FLAGS.items():
         args = launch.with_flag(args, flag, c[axis])
@@ -83,7 +93,9 @@ def serve_of(base: dict, c: dict) -> dict:
 
 
 def _argv(plan: Plan, line: str, port: int) -> list[str]:
-    return launch.argv_of(line, plan.launch_prefix, ["--host", "127.0.0.1", "--port", str(port), *plan.server_args])
+    return launch.argv_of(
+        line, plan.launch_prefix, ["--host", "127.0.0.1", "--port", str(port), *plan.server_args]
+    )
 
 
 def run(plan: Plan, bench: Bench) -> dict:
@@ -95,19 +107,30 @@ def run(plan: Plan, bench: Bench) -> dict:
 
 def _run(plan: Plan, bench: Bench) -> dict:
     cands, skipped = candidates(plan.grid)
-    table = {"objective": {"concurrency": plan.objective_concurrency, "by": "median speculative tokens/s"},
-             "bench": {"prompts": len(bench.prompts), "max_new_tokens": bench.max_new_tokens,
-                       "concurrency": bench.concurrency, "repeats": bench.repeats,
-                       "warmup_prompts": bench.warmup_prompts},
-             "export_serve": plan.serve, "skipped": skipped, "candidates": [], "winner": None}
+    table = {
+        "objective": {"concurrency": plan.objective_concurrency, "by": "median speculative tokens/s"},
+        "bench": {
+            "prompts": len(bench.prompts),
+            "max_new_tokens": bench.max_new_tokens,
+            "concurrency": bench.concurrency,
+            "repeats": bench.repeats,
+            "warmup_prompts": bench.warmup_prompts,
+        },
+        "export_serve": plan.serve,
+        "skipped": skipped,
+        "candidates": [],
+        "winner": None,
+    }
     base_server, base_url = None, plan.baseline_endpoint
     if base_url is None:
         port = server.free_port()
         argv = _argv(plan, launch.plain_command(plan.target, plan.serve), port)
         base_server, reason = server.start(argv, port, plan.work_dir / "baseline.log", plan.start_timeout_s)
         if reason:
-            raise UserError(f"tune-serve: the baseline server {reason}; fix its launch (tune.launch_prefix, "
-                            "tune.server_args) or give a running one as tune.baseline_endpoint")
+            raise UserError(
+                f"tune-serve: the baseline server {reason}; fix its launch (tune.launch_prefix, "
+                "tune.server_args) or give a running one as tune.baseline_endpoint"
+            )
         base_url = base_server.url
     table["baseline"] = {"endpoint": base_url, "launch": base_server.argv if base_server else None}
     try:
@@ -136,8 +159,16 @@ def _candidate(plan: Plan, bench: Bench, c: dict, base_url: str, i: int) -> dict
         if reason:
             return {**row, "status": "failed at start", "reason": reason}
         try:
-            report = online.firm_bench(srv.url, base_url, bench.prompts, bench.max_new_tokens, bench.concurrency,
-                                       bench.repeats, bench.warmup_prompts, bench.timeout_s)
+            report = online.firm_bench(
+                srv.url,
+                base_url,
+                bench.prompts,
+                bench.max_new_tokens,
+                bench.concurrency,
+                bench.repeats,
+                bench.warmup_prompts,
+                bench.timeout_s,
+            )
         except online.NotLikeForLike as e:
             out = {**row, "status": "refused", "reason": str(e)}
             return out if e.side == "speculative" else {**out, "abort": str(e)}
@@ -146,14 +177,24 @@ def _candidate(plan: Plan, bench: Bench, c: dict, base_url: str, i: int) -> dict
             died = report.get("failed_side") != "baseline"
             tail = srv.log_tail() if died else ""
             why = report["error"] + (f"; its log ends: {tail}" if tail else "")
-            return {**row, "status": "died mid-bench" if died else "baseline failed", "reason": why,
-                    **({} if died else {"abort": f"the baseline stopped answering: {report['error']}"})}
-        other = {k: (v, report["speculative"]["server"].get(REPORTED[k])) for k, v in c.items()
-                 if v is not None and report["speculative"]["server"].get(REPORTED[k]) not in (None, v)}
+            return {
+                **row,
+                "status": "died mid-bench" if died else "baseline failed",
+                "reason": why,
+                **({} if died else {"abort": f"the baseline stopped answering: {report['error']}"}),
+            }
+        other = {
+            k: (v, report["speculative"]["server"].get(REPORTED[k]))
+            for k, v in c.items()
+            if v is not None and report["speculative"]["server"].get(REPORTED[k]) not in (None, v)
+        }
         if other:
-            return {**row, "status": "ran other settings",
-                    "reason": "the server reports " + ", ".join(f"{k}={got} (asked {want})"
-                                                               for k, (want, got) in other.items())}
+            return {
+                **row,
+                "status": "ran other settings",
+                "reason": "the server reports "
+                + ", ".join(f"{k}={got} (asked {want})" for k, (want, got) in other.items()),
+            }
         return {**row, **objective(report, plan.objective_concurrency)}
     finally:
         server.stop(srv)
@@ -163,28 +204,43 @@ def objective(report: dict, concurrency: int) -> dict:
     """The figures a candidate is ranked by, at one concurrency."""
     row = report["by_concurrency"][str(concurrency)]
     spec = row["speculative"]
-    return {"tokens_per_s": spec["median"], "tokens_per_s_spread": spec["spread"],
-            "speedup": row.get("speedup_median"), "speedup_spread": row.get("speedup_spread"),
-            "accept_length": spec["accept_length"]}
+    return {
+        "tokens_per_s": spec["median"],
+        "tokens_per_s_spread": spec["spread"],
+        "speedup": row.get("speedup_median"),
+        "speedup_spread": row.get("speedup_spread"),
+        "accept_length": spec["accept_length"],
+    }
 
 
 def choose(rows: list[dict], concurrency: int) -> int | None:
-    """The index of the fastest valid candidate (median tokens/s at the objective concurrency); None if none."""
+    """The index of the fastest valid candidate (median tokens/s at the objective concurrency); None if
+    none."""
     valid = [i for i, r in enumerate(rows) if r["status"] == "ok" and r.get("tokens_per_s") is not None]
     return max(valid, key=lambda i: rows[i]["tokens_per_s"]) if valid else None
 
 
 def format_table(table: dict) -> str:
     c = table["objective"]["concurrency"]
-    lines = [f"{'':>3}{'steps':>6}{'topk':>5}{'draft':>6}{'backend':>10}{'graph bs':>9}{'tok/s@' + str(c):>11}"
-             f"{'spread':>8}{'speedup':>9}{'accept':>8}  status"]
+    lines = [
+        f"{'':>3}{'steps':>6}{'topk':>5}{'draft':>6}{'backend':>10}{'graph bs':>9}{'tok/s@' + str(c):>11}"
+        f"{'spread':>8}{'speedup':>9}{'accept':>8}  status"
+    ]
     for i, r in enumerate(table["candidates"]):
         s = r["settings"]
-        figures = (f"{r['tokens_per_s']:>11.1f}{r['tokens_per_s_spread'] or 0:>8.1%}"
-                   f"{r['speedup'] if r['speedup'] is not None else float('nan'):>9.2f}"
-                   f"{r['accept_length'] or float('nan'):>8.2f}") if r["status"] == "ok" else f"{'':>36}"
+        figures = (
+            (
+                f"{r['tokens_per_s']:>11.1f}{r['tokens_per_s_spread'] or 0:>8.1%}"
+                f"{r['speedup'] if r['speedup'] is not None else float('nan'):>9.2f}"
+                f"{r['accept_length'] or float('nan'):>8.2f}"
+            )
+            if r["status"] == "ok"
+            else f"{'':>36}"
+        )
         mark = "*" if i == table["winner"] else " "
-        lines.append(f"{mark:>3}{s['num_steps']:>6}{s['topk']:>5}{s['num_draft_tokens']:>6}"
-                     f"{str(s['attention_backend'] or '-'):>10}{str(s['cuda_graph_max_bs'] or '-'):>9}{figures}  "
-                     f"{r['status']}{': ' + r['reason'] if r.get('reason') else ''}")
+        lines.append(
+            f"{mark:>3}{s['num_steps']:>6}{s['topk']:>5}{s['num_draft_tokens']:>6}"
+            f"{str(s['attention_backend'] or '-'):>10}{str(s['cuda_graph_max_bs'] or '-'):>9}{figures}  "
+            f"{r['status']}{': ' + r['reason'] if r.get('reason') else ''}"
+        )
     return "\n".join(lines)

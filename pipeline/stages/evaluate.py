@@ -1,12 +1,16 @@
-"""Stage `evaluate`: how many tokens the exported draft gets accepted, per prompt set (`eval.sets`): the prompts
+"""Stage `evaluate`: how many tokens the exported draft gets accepted, per prompt set (`eval.sets`): the
+prompts
 train held out (`heldout`, written to eval/), and standard sets from PyPI wheels (mt_bench, humaneval:
-pipeline/data/prompt_sets.py; each written to eval/<set>/, with one table over the sets in eval/sets.json; online
+pipeline/data/prompt_sets.py; each written to eval/<set>/, with one table over the sets in eval/sets.json;
+online
 in eval/sets_online.json).
 
 Two benches, one entry shape (`measure(cfg, store, prompts, out)`):
-- offline (default, no server): pipeline/acceptance/offline.py, greedy chain speculative decoding with the local
+- offline (default, no server): pipeline/acceptance/offline.py, greedy chain speculative decoding with the
+local
   target and the SGLang export read by a reference forward -> eval/acceptance.json (tau per draft length);
-- online (`eval.endpoint=`): pipeline/acceptance/online.py, a running SGLang/vLLM server's own counters, and the
+- online (`eval.endpoint=`): pipeline/acceptance/online.py, a running SGLang/vLLM server's own counters, and
+the
   speedup over `eval.baseline_endpoint` -> eval/online.json.
 """
 
@@ -45,7 +49,9 @@ def fingerprint(cfg) -> str:
     unread = OFFLINE_ONLY if cfg.eval.endpoint else ONLINE_ONLY
     if not any(name in prompt_sets.SECOND_TURN for name in cfg.eval.sets):  # read by second-turn sets only
         unread += ("first_answer_tokens",)
-    return digest({"export": m.read_text() if m.exists() else None, "eval": shaping(cfg.eval, NOT_SHAPING + unread)})
+    return digest(
+        {"export": m.read_text() if m.exists() else None, "eval": shaping(cfg.eval, NOT_SHAPING + unread)}
+    )
 
 
 def set_dir(cfg, name: str) -> Path:
@@ -64,14 +70,18 @@ def check(cfg) -> None:
         if e[key] < 1:
             problems.append(f"eval.{key}={e[key]} must be >= 1")
     if not e.concurrency or min(e.concurrency) < 1 or len(set(e.concurrency)) != len(e.concurrency):
-        problems.append(f"eval.concurrency={list(e.concurrency)}: a list of distinct numbers >= 1, e.g. [1,8,32]")
+        problems.append(
+            f"eval.concurrency={list(e.concurrency)}: a list of distinct numbers >= 1, e.g. [1,8,32]"
+        )
     if e.warmup_prompts < 0:
         problems.append(f"eval.warmup_prompts={e.warmup_prompts} must be >= 0")
     if e.prompt_tokens < 2:
         problems.append(f"eval.prompt_tokens={e.prompt_tokens} must be >= 2")
     unknown = [n for n in e.sets if n not in prompt_sets.names()]
     if unknown or not e.sets or len(set(e.sets)) != len(e.sets):
-        problems.append(f"eval.sets={list(e.sets)}: a list of distinct names from {', '.join(prompt_sets.names())}")
+        problems.append(
+            f"eval.sets={list(e.sets)}: a list of distinct names from {', '.join(prompt_sets.names())}"
+        )
     if problems:
         raise UserError("; ".join(problems))
 
@@ -84,10 +94,15 @@ def run(cfg) -> Path:
     store = features.open_source(cfg)
     # online: the server's own acceptance counters; offline: the greedy chain against the local target
     bench = online_bench if e.endpoint else offline_bench
-    with nullcontext() if e.endpoint else offline_bench.one_target():  # one load of the fp32 target for every set
+    with (
+        nullcontext() if e.endpoint else offline_bench.one_target()
+    ):  # one load of the fp32 target for every set
         for name in e.sets:
-            prompts = (heldout_prompts(cfg, store, e.num_prompts, e.prompt_tokens) if name == prompt_sets.HELDOUT
-                       else set_prompts(cfg, store, name, e.num_prompts, e.prompt_tokens, bench))
+            prompts = (
+                heldout_prompts(cfg, store, e.num_prompts, e.prompt_tokens)
+                if name == prompt_sets.HELDOUT
+                else set_prompts(cfg, store, name, e.num_prompts, e.prompt_tokens, bench)
+            )
             log.info("evaluate: set %s, %d prompts", name, len(prompts))
             bench.measure(cfg, store, prompts, set_dir(cfg, name))
     _sets_table(cfg)
@@ -95,9 +110,11 @@ def run(cfg) -> Path:
 
 
 def set_prompts(cfg, store, name: str, n: int, prompt_tokens: int, bench=None) -> list[list[int]]:
-    """The first n prompts of a standard set that fit, each through the target's chat template: one user message
+    """The first n prompts of a standard set that fit, each through the target's chat template: one user
+    message
     of at most prompt_tokens tokens; for a second-turn set (mt_bench_turn2), the first turn, the target's own
-    greedy answer to it (`bench.greedy_answers`, at most eval.first_answer_tokens) and the second turn, at most
+    greedy answer to it (`bench.greedy_answers`, at most eval.first_answer_tokens) and the second turn, at
+    most
     prompt_tokens + eval.first_answer_tokens. The ones too long are counted in the log."""
     from pipeline.models import targets
 
@@ -125,17 +142,30 @@ def set_prompts(cfg, store, name: str, n: int, prompt_tokens: int, bench=None) -
     else:  # the target answers the first turns n at a time until n second-turn prompts fit (or none are left)
         bench = bench or offline_bench
         limit, prompts = prompt_tokens + cfg.eval.first_answer_tokens, []
-        log.info("evaluate: %s: the target answers first turns (greedy, <= %d tokens)", name,
-                 cfg.eval.first_answer_tokens)
+        log.info(
+            "evaluate: %s: the target answers first turns (greedy, <= %d tokens)",
+            name,
+            cfg.eval.first_answer_tokens,
+        )
         for a in range(0, len(firsts), n):
-            chunk = firsts[a: a + n]
-            answers = bench.greedy_answers(cfg, store, [ids for _, ids in chunk], cfg.eval.first_answer_tokens)
+            chunk = firsts[a : a + n]
+            answers = bench.greedy_answers(
+                cfg, store, [ids for _, ids in chunk], cfg.eval.first_answer_tokens
+            )
             if not all(answers):
-                log.warning("evaluate: %s: %d empty first answers (the second turn follows an empty reply)", name,
-                            sum(not x for x in answers))
+                log.warning(
+                    "evaluate: %s: %d empty first answers (the second turn follows an empty reply)",
+                    name,
+                    sum(not x for x in answers),
+                )
             for (row, _), answer in zip(chunk, answers):
-                ids = ids_of([{"role": "user", "content": row["turns"][0]}, {"role": "assistant", "content": answer},
-                              {"role": "user", "content": row["turns"][1]}])
+                ids = ids_of(
+                    [
+                        {"role": "user", "content": row["turns"][0]},
+                        {"role": "assistant", "content": answer},
+                        {"role": "user", "content": row["turns"][1]},
+                    ]
+                )
                 if len(ids) > limit:
                     too_long += 1
                 elif len(prompts) < n:
@@ -143,44 +173,79 @@ def set_prompts(cfg, store, name: str, n: int, prompt_tokens: int, bench=None) -
             if len(prompts) >= n:
                 break
     if too_long:
-        log.warning("evaluate: %d %s prompts longer than eval.prompt_tokens=%d%s skipped", too_long, name, prompt_tokens,
-                    " (+ eval.first_answer_tokens)" if first_of else "")
+        log.warning(
+            "evaluate: %d %s prompts longer than eval.prompt_tokens=%d%s skipped",
+            too_long,
+            name,
+            prompt_tokens,
+            " (+ eval.first_answer_tokens)" if first_of else "",
+        )
     if not prompts:
         raise UserError(f"no {name} prompt fits eval.prompt_tokens={prompt_tokens}; raise it")
     return prompts
 
 
 def _sets_table(cfg) -> None:
-    """A log table and its JSON, one row per prompt set. Offline (eval/sets.json): tau of the trained draft per
-    draft length. Online (eval.endpoint, eval/sets_online.json, so the offline table stays): the server's accept
-    length and, with a baseline server, the speedup (SpecBundle's shape: one accept length per benchmark at the
+    """A log table and its JSON, one row per prompt set. Offline (eval/sets.json): tau of the trained draft
+    per
+    draft length. Online (eval.endpoint, eval/sets_online.json, so the offline table stays): the server's
+    accept
+    length and, with a baseline server, the speedup (SpecBundle's shape: one accept length per benchmark at
+    the
     server's own steps / topk / draft tokens)."""
     rows = {}
     if cfg.eval.endpoint:
         for name in cfg.eval.sets:
             report = json.loads((set_dir(cfg, name) / "online.json").read_text())
             spec = report["speculative"]
-            rows[name] = {"prompts": spec["requests"], "accept_length": spec["accept_length"],
-                          "tokens_per_s": spec["tokens_per_s"], "speedup": report.get("speedup"),
-                          "speedup_by_concurrency": {c: row.get("speedup_median")
-                                                     for c, row in (report.get("by_concurrency") or {}).items()}}
+            rows[name] = {
+                "prompts": spec["requests"],
+                "accept_length": spec["accept_length"],
+                "tokens_per_s": spec["tokens_per_s"],
+                "speedup": report.get("speedup"),
+                "speedup_by_concurrency": {
+                    c: row.get("speedup_median") for c, row in (report.get("by_concurrency") or {}).items()
+                },
+            }
         lines = [f"{'set':<16}{'prompts':>8}{'accept length':>15}{'tokens/s':>11}{'speedup':>9}"]
-        lines += [f"{name:<16}{r['prompts']:>8}" + (f"{r['accept_length']:>15.3f}" if r["accept_length"] else f"{'n/a':>15}")
-                  + f"{r['tokens_per_s']:>11.1f}" + (f"{r['speedup']:>9.2f}" if r["speedup"] else f"{'':>9}")
-                  for name, r in rows.items()]
-        log.info("evaluate, the server's accept length per prompt set (%s):\n%s", cfg.eval.endpoint, "\n".join(lines))
+        lines += [
+            f"{name:<16}{r['prompts']:>8}"
+            + (f"{r['accept_length']:>15.3f}" if r["accept_length"] else f"{'n/a':>15}")
+            + f"{r['tokens_per_s']:>11.1f}"
+            + (f"{r['speedup']:>9.2f}" if r["speedup"] else f"{'':>9}")
+            for name, r in rows.items()
+        ]
+        log.info(
+            "evaluate, the server's accept length per prompt set (%s):\n%s",
+            cfg.eval.endpoint,
+            "\n".join(lines),
+        )
     else:
         for name in cfg.eval.sets:
             report = json.loads((set_dir(cfg, name) / "acceptance.json").read_text())
-            rows[name] = {"prompts": report["prompts"], "tau": {k: r["tau"] for k, r in report["trained"].items()},
-                          "teacher_forced_acc_0": (report.get("teacher_forced_acc_0") or {}).get("trained")}
+            rows[name] = {
+                "prompts": report["prompts"],
+                "tau": {k: r["tau"] for k, r in report["trained"].items()},
+                "teacher_forced_acc_0": (report.get("teacher_forced_acc_0") or {}).get("trained"),
+            }
         ks = sorted({k for r in rows.values() for k in r["tau"]}, key=int)
         lines = [f"{'set':<16}{'prompts':>8}" + "".join(f"{'k=' + k:>8}" for k in ks) + f"{'acc_0':>8}"]
-        lines += [f"{name:<16}{r['prompts']:>8}" + "".join(f"{r['tau'][k]:>8.3f}" for k in ks)
-                  + (f"{r['teacher_forced_acc_0']:>8.3f}" if r["teacher_forced_acc_0"] is not None else f"{'n/a':>8}")
-                  for name, r in rows.items()]
-        log.info("evaluate, tau of the trained draft per prompt set (acc_0: its step-0 accuracy teacher-forced along "
-                 "the target's answers to that set):\n%s", "\n".join(lines))
+        lines += [
+            f"{name:<16}{r['prompts']:>8}"
+            + "".join(f"{r['tau'][k]:>8.3f}" for k in ks)
+            + (
+                f"{r['teacher_forced_acc_0']:>8.3f}"
+                if r["teacher_forced_acc_0"] is not None
+                else f"{'n/a':>8}"
+            )
+            for name, r in rows.items()
+        ]
+        log.info(
+            "evaluate, tau of the trained draft per prompt set (acc_0: its step-0 accuracy teacher-forced "
+            "along "
+            "the target's answers to that set):\n%s",
+            "\n".join(lines),
+        )
     out_dir(cfg).mkdir(parents=True, exist_ok=True)
     name = "sets_online.json" if cfg.eval.endpoint else "sets.json"
     (out_dir(cfg) / name).write_text(json.dumps(rows, indent=1))
@@ -194,22 +259,37 @@ def heldout_prompts(cfg, store, n: int, prompt_tokens: int, half: str = "report"
     facts = json.loads(summary.read_text()) if summary.is_file() else {}
     val = facts.get("val_samples")
     if (facts.get("selected") or {}).get("by") == "tau" and "tau_probe_half" not in facts:
-        log.warning("evaluate: %s chose its checkpoint by tau on ALL held-out prompts (trained before the probe kept "
-                    "to one half): the heldout tau below is measured on prompts the choice was made on and "
-                    "overstates; retrain (train.resume=never) for a figure that does not", summary.parent)
+        log.warning(
+            "evaluate: %s chose its checkpoint by tau on ALL held-out prompts (trained before the probe kept "
+            "to one half): the heldout tau below is measured on prompts the choice was made on and "
+            "overstates; retrain (train.resume=never) for a figure that does not",
+            summary.parent,
+        )
     if val is None:  # a draft trained before train recorded its split: the same seeded split, recomputed
-        log.warning("evaluate: %s records no val_samples; recomputing the split from train.val_fraction", summary)
+        log.warning(
+            "evaluate: %s records no val_samples; recomputing the split from train.val_fraction", summary
+        )
         val = split(len(store), cfg.train.val_fraction, cfg.seed)[1].tolist()
     if not val:
-        raise UserError(f"{summary.parent} was trained with no held-out samples (train.val_fraction=0): evaluate "
-                        "prompts only from samples the draft never saw; retrain with train.val_fraction > 0")
+        raise UserError(
+            f"{summary.parent} was trained with no held-out samples (train.val_fraction=0): evaluate "
+            "prompts only from samples the draft never saw; retrain with train.val_fraction > 0"
+        )
     selection, report = prompt_sets.selection_and_report(val)  # evaluate: never the half choices were made on
     report = selection if half == "selection" else report
     prompts = prompt_sets.before_answer(store, report, n, prompt_tokens)
     if len(prompts) < n:
-        log.warning("evaluate: heldout has %d prompts of the %d asked (%d held-out samples, half of them kept for "
-                    "training's tau probe); raise train.val_fraction for more", len(prompts), n, len(val))
+        log.warning(
+            "evaluate: heldout has %d prompts of the %d asked (%d held-out samples, half of them kept for "
+            "training's tau probe); raise train.val_fraction for more",
+            len(prompts),
+            n,
+            len(val),
+        )
     if not prompts:
-        raise UserError(f"none of the {len(report)} held-out samples of the report half has a prompt (the tokens before the first "
-                        f"supervised one) of 2 to eval.prompt_tokens={prompt_tokens} tokens; raise eval.prompt_tokens")
+        raise UserError(
+            f"none of the {len(report)} held-out samples of the report half has a prompt (the tokens before "
+            "the first "
+            f"supervised one) of 2 to eval.prompt_tokens={prompt_tokens} tokens; raise eval.prompt_tokens"
+        )
     return prompts

@@ -2,7 +2,8 @@
 
 run_dir/export/<engine>/: config.json, model.safetensors (bf16 weights, d2t int64, t2d bool), serve.sh,
 export_manifest.json (what produced it, aux ids in eaglepipe and engine numbering, tensor std/norm table).
-Every export is verified before it is published (pipeline/tools/verify.py: engine-free checks, then the engine's
+Every export is verified before it is published (pipeline/tools/verify.py: engine-free checks, then the
+engine's
 own class and loader unless export.verify_in_engine=false); `eaglepipe verify` repeats that on any export.
 """
 
@@ -42,9 +43,14 @@ def fingerprint(cfg) -> str:
     weights = RunDir.of(cfg).final / "model.safetensors"
     # empty extra-flag lists leave the fingerprint of exports made before they existed unchanged
     serve = {k: v for k, v in dict(cfg.export.serve).items() if not (k.endswith("_args") and not v)}
-    return digest({"summary": summary.read_text() if summary.exists() else None,
-                   "weights": weights.stat().st_mtime_ns if weights.exists() else None,
-                   "engines": list(cfg.export.engines), "serve": serve})
+    return digest(
+        {
+            "summary": summary.read_text() if summary.exists() else None,
+            "weights": weights.stat().st_mtime_ns if weights.exists() else None,
+            "engines": list(cfg.export.engines),
+            "serve": serve,
+        }
+    )
 
 
 def is_complete(cfg) -> bool:
@@ -53,15 +59,19 @@ def is_complete(cfg) -> bool:
 
 def check(cfg) -> None:
     """Every problem with the export settings, before an existing export is touched."""
-    problems = [f"export.engines: {e!r} is not one of {list(ENGINES)}" for e in cfg.export.engines if e not in ENGINES]
+    problems = [
+        f"export.engines: {e!r} is not one of {list(ENGINES)}" for e in cfg.export.engines if e not in ENGINES
+    ]
     if not cfg.export.engines:
         problems.append("export.engines is empty")
     layout = lay.DRAFT_ARCHS.get(str(getattr(cfg.train.draft_arch, "value", cfg.train.draft_arch)))
     unverified = [e for e in cfg.export.engines if layout and e in ENGINES and e not in layout.engines]
     if unverified:
-        problems.append(f"export.engines={list(cfg.export.engines)} with train.draft_arch={layout.name}: that layout "
-                        f"is verified against {', '.join(layout.engines)} only; set "
-                        f"export.engines=[{','.join(layout.engines)}]")
+        problems.append(
+            f"export.engines={list(cfg.export.engines)} with train.draft_arch={layout.name}: that layout "
+            f"is verified against {', '.join(layout.engines)} only; set "
+            f"export.engines=[{','.join(layout.engines)}]"
+        )
     s = cfg.export.serve
     for key in ("num_steps", "topk", "num_draft_tokens"):
         if s[key] < 1:
@@ -71,7 +81,8 @@ def check(cfg) -> None:
 
 
 def _selected_dir(final: Path, selected: dict) -> Path:
-    """final/ (the last step), or train/best_tau/ when train chose by tau (train.select=tau); checked against the
+    """final/ (the last step), or train/best_tau/ when train chose by tau (train.select=tau); checked against
+    the
     step train recorded, so a folder of another run is never exported."""
     if selected.get("by") != "tau":
         return final
@@ -81,21 +92,32 @@ def _selected_dir(final: Path, selected: dict) -> Path:
     except (OSError, json.JSONDecodeError):
         there = None
     if not there or there.get("step") != selected["step"]:
-        raise UserError(f"train chose step {selected['step']} by tau, but {best} holds "
-                        f"{'nothing readable' if not there else 'step ' + str(there.get('step'))}; rerun stage=train")
-    log.info("export: train.select=tau: step %d (tau %.4f at k=%d) from %s", selected["step"], selected["tau"],
-             selected["k"], best)
+        raise UserError(
+            f"train chose step {selected['step']} by tau, but {best} holds "
+            f"{'nothing readable' if not there else 'step ' + str(there.get('step'))}; rerun stage=train"
+        )
+    log.info(
+        "export: train.select=tau: step %d (tau %.4f at k=%d) from %s",
+        selected["step"],
+        selected["tau"],
+        selected["k"],
+        best,
+    )
     return best
 
 
 def _load_final(final: Path) -> tuple[dict, dict]:
     """train/final's weights and config; a damaged or missing file is one line with the fix."""
-    fix = (f"delete {final} and rerun stage=train: it resumes from the newest checkpoint under "
-           f"{final.parent} and writes final/ again")
+    fix = (
+        f"delete {final} and rerun stage=train: it resumes from the newest checkpoint under "
+        f"{final.parent} and writes final/ again"
+    )
     try:
         return load_file(str(final / "model.safetensors")), json.loads((final / "config.json").read_text())
     except (OSError, SafetensorError, json.JSONDecodeError) as e:
-        raise UserError(f"the trained draft in {final} cannot be read ({type(e).__name__}: {e}); {fix}") from None
+        raise UserError(
+            f"the trained draft in {final} cannot be read ({type(e).__name__}: {e}); {fix}"
+        ) from None
 
 
 def run(cfg) -> Path:
@@ -108,26 +130,38 @@ def run(cfg) -> Path:
     selected = json.loads((final / "train_summary.json").read_text()).get("selected") or {"by": "last"}
     weights, draft_cfg = _load_final(_selected_dir(final, selected))
     if draft_cfg["eagle_aux_hidden_state_layer_ids"] != store.aux_layer_ids:
-        raise UserError(f"trained draft has aux ids {draft_cfg['eagle_aux_hidden_state_layer_ids']}, the feature "
-                        f"store {store.aux_layer_ids}; retrain")
+        raise UserError(
+            f"trained draft has aux ids {draft_cfg['eagle_aux_hidden_state_layer_ids']}, the feature "
+            f"store {store.aux_layer_ids}; retrain"
+        )
     if not (torch.equal(weights["d2t"], d2t) and torch.equal(weights["t2d"], t2d)):
         raise UserError(f"the trained draft's d2t/t2d differ from {cfg.run_dir}/vocab; retrain")
-    tensors = {k: (v.to(torch.bfloat16) if v.is_floating_point() else v) for k, v in lay.draft_owned(weights).items()}
-    provenance = {"produced_by": f"eaglepipe {__version__}", "run_dir": str(Path(cfg.run_dir).resolve()),
-                  "target_path": store.facts["target_path"], "target_fingerprint": store.facts["target_fingerprint"],
-                  "features_manifest_hash": store.manifest_hash(), "vocab_coverage": vman["coverage"],
-                  "train_summary_hash": digest((final / "train_summary.json").read_text()),
-                  "aux_layer_ids_eaglepipe": store.aux_layer_ids, "selected": selected,
-                  "target_architecture": targets.architecture(Path(store.facts["target_path"]))}
+    tensors = {
+        k: (v.to(torch.bfloat16) if v.is_floating_point() else v) for k, v in lay.draft_owned(weights).items()
+    }
+    provenance = {
+        "produced_by": f"eaglepipe {__version__}",
+        "run_dir": str(Path(cfg.run_dir).resolve()),
+        "target_path": store.facts["target_path"],
+        "target_fingerprint": store.facts["target_fingerprint"],
+        "features_manifest_hash": store.manifest_hash(),
+        "vocab_coverage": vman["coverage"],
+        "train_summary_hash": digest((final / "train_summary.json").read_text()),
+        "aux_layer_ids_eaglepipe": store.aux_layer_ids,
+        "selected": selected,
+        "target_architecture": targets.architecture(Path(store.facts["target_path"])),
+    }
     arch = provenance["target_architecture"]
     layer = draft_cfg["transformer_layer_config"]
     layout = lay.draft_arch_of(layer["model_type"])
     provenance["draft_arch"] = layout.name
     unverified = [e for e in cfg.export.engines if e not in layout.engines]
     if unverified:
-        raise UserError(f"export.engines: the {layout.name} draft's layout is verified against "
-                        f"{', '.join(layout.engines)} only, not {', '.join(unverified)}: "
-                        f"export.engines=[{','.join(layout.engines)}]")
+        raise UserError(
+            f"export.engines: the {layout.name} draft's layout is verified against "
+            f"{', '.join(layout.engines)} only, not {', '.join(unverified)}: "
+            f"export.engines=[{','.join(layout.engines)}]"
+        )
     for engine in cfg.export.engines:
         out = out_dir(cfg) / engine
         tmp = out.with_name(out.name + ".tmp")
@@ -136,7 +170,9 @@ def run(cfg) -> Path:
         try:
             engine_ids = lay.engine_layer_ids(engine, store.aux_layer_ids, arch)
         except lay.AuxIdsUnservable as e:
-            raise UserError(f"export/{engine}: {e} (extract.aux_layers, then extract and train again)") from None
+            raise UserError(
+                f"export/{engine}: {e} (extract.aux_layers, then extract and train again)"
+            ) from None
         if engine == "sglang":
             names = lay.sglang_tensors(tensors)
             config = sglang_config(layer, draft_cfg, store, engine_ids, layout)
@@ -146,17 +182,30 @@ def run(cfg) -> Path:
         save_file(names, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
         rows = lay.tensor_table(names)
-        manifest = {"schema_version": lay.SCHEMA_VERSION, "engine": engine,
-                    "engine_version_read": lay.engine_version(engine),
-                    "aux_layer_ids_engine": engine_ids, **provenance,
-                    "draft_kv_bytes_per_token": lay.draft_kv_bytes_per_token(
-                        config if engine == "sglang" else sglang_config(layer, draft_cfg, store, engine_ids, layout)),
-                    "tensors": rows}
-        launch.write_serve(tmp, engine, store.facts["target_path"], out, cfg.export.serve, {"by": "config"}, manifest)
+        manifest = {
+            "schema_version": lay.SCHEMA_VERSION,
+            "engine": engine,
+            "engine_version_read": lay.engine_version(engine),
+            "aux_layer_ids_engine": engine_ids,
+            **provenance,
+            "draft_kv_bytes_per_token": lay.draft_kv_bytes_per_token(
+                config if engine == "sglang" else sglang_config(layer, draft_cfg, store, engine_ids, layout)
+            ),
+            "tensors": rows,
+        }
+        launch.write_serve(
+            tmp, engine, store.facts["target_path"], out, cfg.export.serve, {"by": "config"}, manifest
+        )
         (tmp / "export_manifest.json").write_text(json.dumps(manifest, indent=1))
-        problems, report = verify.verify_export(tmp, engine, store.facts, store.facts["target_path"],
-                                                cfg.export.verify_in_engine, verify.configured_python(cfg, engine),
-                                                arch)
+        problems, report = verify.verify_export(
+            tmp,
+            engine,
+            store.facts,
+            store.facts["target_path"],
+            cfg.export.verify_in_engine,
+            verify.configured_python(cfg, engine),
+            arch,
+        )
         if report:
             manifest["verified_by"] = {k: report[k] for k in ("engine", "engine_version", "class")}
             (tmp / "export_manifest.json").write_text(json.dumps(manifest, indent=1))
@@ -164,14 +213,23 @@ def run(cfg) -> Path:
             raise UserError(f"export/{engine} failed its checks: " + "; ".join(problems))
         shutil.rmtree(out, ignore_errors=True)
         os.replace(tmp, out)
-        log.info("export %s -> %s (aux ids %s in %s numbering); tensors:\n%s", engine, out, engine_ids, engine,
-                 lay.format_table(rows))
+        log.info(
+            "export %s -> %s (aux ids %s in %s numbering); tensors:\n%s",
+            engine,
+            out,
+            engine_ids,
+            engine,
+            lay.format_table(rows),
+        )
     return out_dir(cfg)
 
 
-def sglang_config(layer: dict, draft_cfg: dict, store, aux_ids: list[int],
-                  layout: lay.DraftArch = lay.DRAFT_ARCHS["llama"]) -> dict:
-    return lay.sglang_config(layer, draft_cfg, int(store.facts["vocab_size"]), store.hidden_size, aux_ids, layout)
+def sglang_config(
+    layer: dict, draft_cfg: dict, store, aux_ids: list[int], layout: lay.DraftArch = lay.DRAFT_ARCHS["llama"]
+) -> dict:
+    return lay.sglang_config(
+        layer, draft_cfg, int(store.facts["vocab_size"]), store.hidden_size, aux_ids, layout
+    )
 
 
 def vllm_config(draft_cfg: dict, store: fs.FeatureStore, aux_ids: list[int]) -> dict:
@@ -182,4 +240,3 @@ def vllm_config(draft_cfg: dict, store: fs.FeatureStore, aux_ids: list[int]) -> 
         config[flag] = bool(config.get(flag, False))  # explicit: vLLM's defaults differ by route
     config["dtype"] = "bfloat16"
     return config
-

@@ -3,7 +3,8 @@
 Backends: `hf` (transformers, below) and `sglang` (SGLang's own ModelRunner, tensor parallel under torchrun;
 pipeline/engines/sglang_capture.py). Both feed the same shard writer, so the store is the same format.
 
-hf: capture is by forward hooks on the decoder layers: aux id k = output of 0-based decoder layer k (the residual
+hf: capture is by forward hooks on the decoder layers: aux id k = output of 0-based decoder layer k (the
+residual
 stream after it, = HF hidden_states[k+1]); last = the PRE-norm output of the final decoder layer (HF's
 hidden_states[-1] has the final norm applied, which is not what EAGLE-3 trains on). Values are cast to bf16
 on the device and written bit-exact through pipeline.formats.feature_store. Shards are planned from the
@@ -52,8 +53,10 @@ def check(cfg) -> None:
         try:
             import sglang
         except ImportError:
-            raise UserError(f"extract.backend=sglang needs sglang {sc.SUPPORTED[0]} .. {sc.SUPPORTED[1]} (and a "
-                            "CUDA GPU) in this Python; README, 'SGLang capture backend', has the GPU-box commands") from None
+            raise UserError(
+                f"extract.backend=sglang needs sglang {sc.SUPPORTED[0]} .. {sc.SUPPORTED[1]} (and a "
+                "CUDA GPU) in this Python; README, 'SGLang capture backend', has the GPU-box commands"
+            ) from None
         if problem := sc.version_problem(sglang.__version__):
             raise UserError(problem)
     for key in ("batch_tokens", "shard_tokens", "chunk_tokens", "max_batch_size", "write_workers"):
@@ -61,9 +64,11 @@ def check(cfg) -> None:
             raise UserError(f"extract.{key}={cfg.extract[key]}: must be >= 1")
     writer = str(getattr(cfg.extract.writer, "value", cfg.extract.writer))
     if cfg.extract.write_workers > 1 and writer != "zarr":
-        raise UserError(f"extract.write_workers={cfg.extract.write_workers} starts zarr-python writer processes; "
-                        f"extract.writer={writer} already writes on every core: set extract.writer=zarr to use them, "
-                        "or leave write_workers at 1")
+        raise UserError(
+            f"extract.write_workers={cfg.extract.write_workers} starts zarr-python writer processes; "
+            f"extract.writer={writer} already writes on every core: set extract.writer=zarr to use them, "
+            "or leave write_workers at 1"
+        )
 
 
 def fingerprint(cfg) -> str:
@@ -71,16 +76,35 @@ def fingerprint(cfg) -> str:
     prepared = stats_path.read_text() if stats_path.exists() else None
     # the SGLang knobs shape nothing under backend=hf (and leaving them out keeps hf stores made before they
     # existed up to date); SGLang's memory fraction never shapes the states
-    leave_out = {"overwrite", "repair", "device", "max_batch_size", "chunk_tokens", "compressor", "clevel", "sglang_mem_fraction",
-                 "write_workers", "writer"}
+    leave_out = {
+        "overwrite",
+        "repair",
+        "device",
+        "max_batch_size",
+        "chunk_tokens",
+        "compressor",
+        "clevel",
+        "sglang_mem_fraction",
+        "write_workers",
+        "writer",
+    }
     if backend(cfg) != "sglang":
         leave_out.add("sglang_attention_backend")
-    shaping = {k: v for k, v in OmegaConf.to_container(cfg.extract, resolve=True, enum_to_str=True).items()
-               if k not in leave_out}
+    shaping = {
+        k: v
+        for k, v in OmegaConf.to_container(cfg.extract, resolve=True, enum_to_str=True).items()
+        if k not in leave_out
+    }
     if shaping.get("store_dtype") == "bf16":  # the default leaves bf16 stores made before the knob up to date
         shaping.pop("store_dtype")
-    return digest({"prepared": prepared, "target": targets.fingerprint(targets.resolve(cfg.target, cfg.cache_dir)),
-                   "extract": shaping, "store_schema": fs.SCHEMA_VERSION})
+    return digest(
+        {
+            "prepared": prepared,
+            "target": targets.fingerprint(targets.resolve(cfg.target, cfg.cache_dir)),
+            "extract": shaping,
+            "store_schema": fs.SCHEMA_VERSION,
+        }
+    )
 
 
 def is_complete(cfg) -> bool:
@@ -132,15 +156,30 @@ def run(cfg) -> Path:
     shards = plan_shards(lengths, ex.shard_tokens)
     done = {s["sample_start"]: s for s in manifest["shards"]}
     todo = [s for s in shards if s.sample_start not in done]
-    log.info("extract: %d samples, %d tokens, %d shards (%d already committed), aux layers %s, %s on %s",
-             len(lengths), lengths.sum(), len(shards), len(shards) - len(todo), aux, facts["compute_dtype"], device)
+    log.info(
+        "extract: %d samples, %d tokens, %d shards (%d already committed), aux layers %s, %s on %s",
+        len(lengths),
+        lengths.sum(),
+        len(shards),
+        len(shards) - len(todo),
+        aux,
+        facts["compute_dtype"],
+        device,
+    )
     if data_parallel:  # rank r takes the shards r, r+N, ... of those not yet committed, and commits its own
         todo = todo[rank::world]
-        log.info("extract: data parallel, rank %d of %d: %d shard(s), %d tokens", rank, world, len(todo),
-                 sum(sum(s.lengths) for s in todo))
+        log.info(
+            "extract: data parallel, rank %d of %d: %d shard(s), %d tokens",
+            rank,
+            world,
+            len(todo),
+            sum(sum(s.lengths) for s in todo),
+        )
     if todo and backend(cfg) == "sglang":
         capture, rank = _sglang_capture(folder, aux, model_cfg, cfg.extract)
-        _extract_shards(cfg, ds, todo, capture, facts, manifest, model_cfg.hidden_size, len(aux), write=rank == 0)
+        _extract_shards(
+            cfg, ds, todo, capture, facts, manifest, model_cfg.hidden_size, len(aux), write=rank == 0
+        )
         capture.remove()
         if rank != 0:
             return out_dir(cfg)  # tensor-parallel ranks compute; rank 0 writes the store
@@ -157,8 +196,10 @@ def run(cfg) -> Path:
         manifest = fs.read_manifest(out_dir(cfg))
         missing = {s.sample_start for s in shards} - {s["sample_start"] for s in manifest["shards"]}
         if missing:  # never marked complete with a hole (a rank that returned early would leave one)
-            raise RuntimeError(f"extract: {len(missing)} planned shard(s) are not in the manifest at the end "
-                               f"(first at sample {min(missing)})")
+            raise RuntimeError(
+                f"extract: {len(missing)} planned shard(s) are not in the manifest at the end "
+                f"(first at sample {min(missing)})"
+            )
         manifest["complete"] = True
         fs.write_manifest(out_dir(cfg), manifest)
     return out_dir(cfg)
@@ -193,8 +234,12 @@ def _drop_damaged(cfg) -> None:
     except fs.StoreError as e:
         raise UserError(f"extract.repair=true: {e}; run stage=extract without repair") from None
     names = sorted({b["shard"] for b in bad})
-    log.warning("extract: repair: %d damaged chunk(s) in %d shard(s)%s", len(bad), len(names),
-                f": extracting {', '.join(names)} again" if names else "; nothing to redo")
+    log.warning(
+        "extract: repair: %d damaged chunk(s) in %d shard(s)%s",
+        len(bad),
+        len(names),
+        f": extracting {', '.join(names)} again" if names else "; nothing to redo",
+    )
     if names:
         with fs.manifest_lock(out_dir(cfg)):
             manifest = fs.read_manifest(out_dir(cfg))
@@ -217,7 +262,9 @@ def _open_store(cfg, facts: dict, data_parallel: bool = False) -> dict:
         _process_group().barrier()
         manifest = fs.read_manifest(out_dir(cfg))
         if not manifest or manifest.get("facts") != json.loads(json.dumps(facts)):
-            raise UserError(f"rank {rank}: the feature store rank 0 opened was made from other inputs than this rank's")
+            raise UserError(
+                f"rank {rank}: the feature store rank 0 opened was made from other inputs than this rank's"
+            )
         return manifest
     for _ in range(600):
         manifest = fs.read_manifest(out_dir(cfg))
@@ -238,8 +285,14 @@ def _sglang_capture(folder: Path, aux: list[int], model_cfg, ex):
         sc.target_class(model_cfg.architectures[0])
     except sc.CaptureUnsupported as e:
         raise UserError(str(e)) from None
-    runner = sc.build_runner(str(folder), rank, world, int(os.environ.get("EAGLEPIPE_NCCL_PORT", 29517)),
-                             ex.sglang_mem_fraction, ex.sglang_attention_backend)
+    runner = sc.build_runner(
+        str(folder),
+        rank,
+        world,
+        int(os.environ.get("EAGLEPIPE_NCCL_PORT", 29517)),
+        ex.sglang_mem_fraction,
+        ex.sglang_attention_backend,
+    )
     return sc.SGLangCapture(runner, aux), rank
 
 
@@ -267,10 +320,18 @@ def _scatter(writer, ids_all, mask_all, batch: list[int], lengths: list[int], co
 
 
 def _shard_writer(cfg, spec, facts: dict, widths: tuple[int, int], shared: bool):
-    """The shard's writer; with shared buffers where asked and /dev/shm has room for them now (else its own)."""
+    """The shard's writer; with shared buffers where asked and /dev/shm has room for them now (else its
+    own)."""
     ex = cfg.extract
-    args = (out_dir(cfg), spec, facts, widths, ex.chunk_tokens, str(getattr(ex.compressor, "value", ex.compressor)),
-            ex.clevel)
+    args = (
+        out_dir(cfg),
+        spec,
+        facts,
+        widths,
+        ex.chunk_tokens,
+        str(getattr(ex.compressor, "value", ex.compressor)),
+        ex.clevel,
+    )
     writer = str(getattr(ex.writer, "value", ex.writer))
     if shared:
         try:
@@ -281,8 +342,10 @@ def _shard_writer(cfg, spec, facts: dict, widths: tuple[int, int], shared: bool)
 
 
 def _writer_processes(ex, widths: tuple[int, int], fp8: bool):
-    """extract.write_workers > 1: that many processes encode and write every shard's chunks, the shard buffers in
-    shared memory (docs/feature_store.md, writing protocol 5: what they give, measured); None (this process writes)
+    """extract.write_workers > 1: that many processes encode and write every shard's chunks, the shard
+    buffers in
+    shared memory (docs/feature_store.md, writing protocol 5: what they give, measured); None (this process
+    writes)
     where there is one worker, or /dev/shm cannot hold the two shards in flight (said in the log)."""
     if ex.write_workers <= 1:
         return None
@@ -290,23 +353,35 @@ def _writer_processes(ex, widths: tuple[int, int], fp8: bool):
     need = 2 * local * fs.ShardWriter.shared_bytes(ex.shard_tokens, widths, fp8)
     free = fs.shard_regions.shm_free_bytes()
     if free < need:
-        log.warning("extract.write_workers=%d: %s has %.1f GB free, two shards in flight on %d rank(s) need %.1f GB "
-                    "(extract.shard_tokens=%d); this process writes every shard", ex.write_workers,
-                    fs.shard_regions.SHM_DIR, free / 1e9, local, need / 1e9, ex.shard_tokens)
+        log.warning(
+            "extract.write_workers=%d: %s has %.1f GB free, two shards in flight on %d rank(s) need %.1f GB "
+            "(extract.shard_tokens=%d); this process writes every shard",
+            ex.write_workers,
+            fs.shard_regions.SHM_DIR,
+            free / 1e9,
+            local,
+            need / 1e9,
+            ex.shard_tokens,
+        )
         return None
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
     # spawn: the writers never touch CUDA nor inherit the target; they import numpy and zarr only
-    pool = ProcessPoolExecutor(max_workers=ex.write_workers, mp_context=multiprocessing.get_context("spawn"),
-                               initializer=fs.shard_regions.watch_parent)
+    pool = ProcessPoolExecutor(
+        max_workers=ex.write_workers,
+        mp_context=multiprocessing.get_context("spawn"),
+        initializer=fs.shard_regions.watch_parent,
+    )
     for _ in range(ex.write_workers):
         pool.submit(fs.shard_regions.ready)  # the processes start while the first shard computes
     log.info("extract: %d writer processes, shard buffers in %s", ex.write_workers, fs.shard_regions.SHM_DIR)
     return pool
 
 
-def _extract_shards(cfg, ds, todo, capture, facts, manifest, hidden: int, n_aux: int, write: bool = True) -> None:
+def _extract_shards(
+    cfg, ds, todo, capture, facts, manifest, hidden: int, n_aux: int, write: bool = True
+) -> None:
     """Every shard of `todo`: its samples through `capture.packed` (hf_capture.Capture or SGLangCapture) in
     length-bucketed batches, copied to the host while the next batch computes, committed while the next shard
     computes."""
@@ -317,8 +392,12 @@ def _extract_shards(cfg, ds, todo, capture, facts, manifest, hidden: int, n_aux:
     commits: deque[Future] = deque()
     widths = (n_aux * hidden, hidden)
     procs = _writer_processes(ex, widths, fp8) if write else None
-    writer, in_process = None, 0  # the shard being filled (not yet handed to a commit); shards /dev/shm had no room for
-    # committing shard k (its chunks encoded and written by extract.write_workers processes) overlaps computing k+1
+    writer, in_process = (
+        None,
+        0,
+    )  # the shard being filled (not yet handed to a commit); shards /dev/shm had no room for
+    # committing shard k (its chunks encoded and written by extract.write_workers processes) overlaps
+    # computing k+1
     try:
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="extract-commit") as commit_thread:
             for spec in todo:
@@ -329,12 +408,17 @@ def _extract_shards(cfg, ds, todo, capture, facts, manifest, hidden: int, n_aux:
                 ids_all, mask_all = rows["input_ids"], rows["loss_mask"]
                 pending = None  # the previous batch: its copy to the host runs while this batch computes
                 for batch in plan_batches(spec.lengths, ex.batch_tokens, ex.max_batch_size):
-                    rows = list(capture.packed([ids_all[i] for i in batch]))  # the real tokens only, on the device
+                    rows = list(
+                        capture.packed([ids_all[i] for i in batch])
+                    )  # the real tokens only, on the device
                     if not write:
                         continue
                     ns = [spec.lengths[i] for i in batch]
                     if fp8:  # encoded on the device: half the bytes cross to the host
-                        (a_bits, a_scale), (l_bits, l_scale) = fs.encode_fp8(rows[0], n_aux), fs.encode_fp8(rows[1], 1)
+                        (a_bits, a_scale), (l_bits, l_scale) = (
+                            fs.encode_fp8(rows[0], n_aux),
+                            fs.encode_fp8(rows[1], 1),
+                        )
                         rows = [a_bits, l_bits, a_scale, l_scale]
                     copied = [_to_host(r) for r in rows]
                     if pending is not None:
@@ -346,8 +430,11 @@ def _extract_shards(cfg, ds, todo, capture, facts, manifest, hidden: int, n_aux:
                 while commits:
                     commits.popleft().result()  # one shard committing while the next one computes
                 if write:
-                    commits.append(commit_thread.submit(writer.commit, manifest,
-                                                        procs if writer.shared is not None else None))
+                    commits.append(
+                        commit_thread.submit(
+                            writer.commit, manifest, procs if writer.shared is not None else None
+                        )
+                    )
                     writer = None  # the commit owns it now (and releases it)
                 tokens_done += sum(spec.lengths)
                 bar.set_postfix(shard=spec.index, tok_s=f"{tokens_done / (time.time() - t0):.0f}")
@@ -359,8 +446,15 @@ def _extract_shards(cfg, ds, todo, capture, facts, manifest, hidden: int, n_aux:
         if procs is not None:
             procs.shutdown(cancel_futures=True)
     if in_process:
-        log.warning("extract: %d shard(s) written by this process alone: %s had no room for their buffers",
-                    in_process, fs.shard_regions.SHM_DIR)
+        log.warning(
+            "extract: %d shard(s) written by this process alone: %s had no room for their buffers",
+            in_process,
+            fs.shard_regions.SHM_DIR,
+        )
     bar.close()
-    log.info("extract: %d tokens written in %.1f s (%.0f tokens/s)", tokens_done, time.time() - t0,
-             tokens_done / max(time.time() - t0, 1e-9))
+    log.info(
+        "extract: %d tokens written in %.1f s (%.0f tokens/s)",
+        tokens_done,
+        time.time() - t0,
+        tokens_done / max(time.time() - t0, 1e-9),
+    )

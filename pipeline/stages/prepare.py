@@ -20,16 +20,22 @@ from pipeline.data import leaks, mixture
 from pipeline.data.regenerate import journal_folder, regenerate
 from pipeline.data.sources import Problems, load_conversations
 from pipeline.data.synthesize import synthesize
-from pipeline.serving import regenerate_server
 from pipeline.errors import UserError
 from pipeline.fingerprint import digest, shaping
 from pipeline.formats import prepared
 from pipeline.models import targets
+from pipeline.serving import regenerate_server
 
 log = logging.getLogger(__name__)
 # how the replies are fetched, not what they are (the journal keys them by what shapes them)
-NOT_SHAPING = ("regenerate_endpoint", "regenerate_server", "endpoint_concurrency", "endpoint_timeout_s",
-               "endpoint_retries", "endpoint_backoff_s")
+NOT_SHAPING = (
+    "regenerate_endpoint",
+    "regenerate_server",
+    "endpoint_concurrency",
+    "endpoint_timeout_s",
+    "endpoint_retries",
+    "endpoint_backoff_s",
+)
 
 
 def out_dir(cfg) -> Path:
@@ -41,7 +47,9 @@ def check(cfg) -> None:
     if cfg.prepare.max_len < 2:
         problems.append(f"prepare.max_len={cfg.prepare.max_len}: must be >= 2")
     if cfg.prepare.regenerate_endpoint and not cfg.prepare.regenerate:
-        problems.append("prepare.regenerate_endpoint is set but prepare.regenerate=false; set regenerate=true")
+        problems.append(
+            "prepare.regenerate_endpoint is set but prepare.regenerate=false; set regenerate=true"
+        )
     problems += _check_generation(cfg.prepare)
     if cfg.data.limit is not None and cfg.data.limit < 1:
         problems.append(f"data.limit={cfg.data.limit}: must be >= 1 or null")
@@ -56,42 +64,59 @@ def check(cfg) -> None:
 def fingerprint(cfg) -> str:
     folder = targets.resolve(cfg.target, cfg.cache_dir)
     data = OmegaConf.to_container(cfg.data, resolve=True, enum_to_str=True)
-    if not data.get("extra_sources"):  # a knob added later: at its default, runs prepared before stay up to date
+    if not data.get(
+        "extra_sources"
+    ):  # a knob added later: at its default, runs prepared before stay up to date
         data.pop("extra_sources", None)
     if data.get("path") and Path(data["path"]).exists():
         st = Path(data["path"]).stat()
         data["_file"] = [st.st_size, st.st_mtime_ns]
     for key, default in (("sources", []), ("on_leak", "fail")):  # knobs added later: at their defaults, runs
-        if data.get(key) == default:                            # prepared before stay up to date
+        if data.get(key) == default:  # prepared before stay up to date
             data.pop(key)
     for source in data.get("sources", []):
         if source.get("path") and Path(source["path"]).exists():
             st = Path(source["path"]).stat()
             source["_file"] = [st.st_size, st.st_mtime_ns]
-    return digest({"target": targets.fingerprint(folder), "data": data, "version": prepared.SCHEMA_VERSION,
-                   "prepare": shaping(cfg.prepare, NOT_SHAPING)})
+    return digest(
+        {
+            "target": targets.fingerprint(folder),
+            "data": data,
+            "version": prepared.SCHEMA_VERSION,
+            "prepare": shaping(cfg.prepare, NOT_SHAPING),
+        }
+    )
 
 
 def _check_generation(p) -> list[str]:
     problems = []
     server = str(getattr(p.regenerate_server.engine, "value", p.regenerate_server.engine))
     if server != "none" and p.regenerate_endpoint:
-        problems.append(f"prepare.regenerate_server.engine={server} and prepare.regenerate_endpoint are both set; "
-                        "keep one (the server eaglepipe starts becomes the endpoint)")
+        problems.append(
+            f"prepare.regenerate_server.engine={server} and prepare.regenerate_endpoint are both set; "
+            "keep one (the server eaglepipe starts becomes the endpoint)"
+        )
     if server != "none" and not p.regenerate:
-        problems.append(f"prepare.regenerate_server.engine={server} but prepare.regenerate=false; set regenerate=true")
+        problems.append(
+            f"prepare.regenerate_server.engine={server} but prepare.regenerate=false; set regenerate=true"
+        )
     if p.synthesize < 0:
         problems.append(f"prepare.synthesize={p.synthesize}: must be >= 0")
     if p.synthesize and not p.regenerate:
-        problems.append("prepare.synthesize needs prepare.regenerate=true (the target answers its own prompts)")
+        problems.append(
+            "prepare.synthesize needs prepare.regenerate=true (the target answers its own prompts)"
+        )
     if p.endpoint_concurrency < 1 or p.endpoint_retries < 0:
-        problems.append(f"prepare.endpoint_concurrency={p.endpoint_concurrency} (>= 1), "
-                        f"prepare.endpoint_retries={p.endpoint_retries} (>= 0)")
+        problems.append(
+            f"prepare.endpoint_concurrency={p.endpoint_concurrency} (>= 1), "
+            f"prepare.endpoint_retries={p.endpoint_retries} (>= 0)"
+        )
     return problems
 
 
 def cut_turns(convs: list[dict], max_turns: int | None) -> int:
-    """Keep each conversation up to and including its max_turns-th assistant turn; returns how many were cut."""
+    """Keep each conversation up to and including its max_turns-th assistant turn; returns how many were
+    cut."""
     if not max_turns:
         return 0
     cut = 0
@@ -104,9 +129,11 @@ def cut_turns(convs: list[dict], max_turns: int | None) -> int:
 
 
 def cut_long_prompts(tok, convs: list[dict], max_len: int) -> tuple[list[dict], dict]:
-    """Before regeneration: cut each conversation before its first assistant turn whose prompt (the chat-templated
+    """Before regeneration: cut each conversation before its first assistant turn whose prompt (the
+    chat-templated
     turns before it) holds max_len tokens or more; a conversation left without an assistant turn is dropped.
-    Samples are cut at max_len, so such an answer would never be trained on, and a server refuses a prompt longer
+    Samples are cut at max_len, so such an answer would never be trained on, and a server refuses a prompt
+    longer
     than its context (HTTP 400: 19 ShareGPT first turns on the H200, 2026-12-03). Counted, never silent."""
     kept, cut, dropped = [], 0, 0
     for c in convs:
@@ -124,8 +151,13 @@ def cut_long_prompts(tok, convs: list[dict], max_len: int) -> tuple[list[dict], 
         else:
             dropped += 1
     if cut:
-        log.info("prepare: %d conversations cut before an assistant turn whose prompt holds >= prepare.max_len=%d "
-                 "tokens (%d of them left with no assistant turn, dropped)", cut, max_len, dropped)
+        log.info(
+            "prepare: %d conversations cut before an assistant turn whose prompt holds >= prepare.max_len=%d "
+            "tokens (%d of them left with no assistant turn, dropped)",
+            cut,
+            max_len,
+            dropped,
+        )
     return kept, {"cut": cut, "dropped": dropped, "max_len": max_len}
 
 
@@ -141,24 +173,40 @@ def run(cfg) -> Path:
     convs, problems = load_conversations(cfg.data)
     if not convs:
         raise UserError(f"data={cfg.data.name}: no usable conversation (skipped: {problems.as_dict()})")
-    log.info("prepare: %d conversations from %s (skipped %d)", len(convs), problems.origin, sum(problems.counts.values()))
+    log.info(
+        "prepare: %d conversations from %s (skipped %d)",
+        len(convs),
+        problems.origin,
+        sum(problems.counts.values()),
+    )
     cut = cut_turns(convs, cfg.prepare.max_assistant_turns)
     if cut:
-        log.info("prepare: %d conversations cut after their first %d assistant turns (prepare.max_assistant_turns)",
-                 cut, cfg.prepare.max_assistant_turns)
+        log.info(
+            "prepare: %d conversations cut after their first %d assistant turns "
+            "(prepare.max_assistant_turns)",
+            cut,
+            cfg.prepare.max_assistant_turns,
+        )
     convs, leak_report = leaks.check(convs, str(getattr(cfg.data.on_leak, "value", cfg.data.on_leak)))
     if not convs:
-        raise UserError(f"data={cfg.data.name}: every conversation holds an MT-bench or HumanEval prompt (dropped)")
-    with regenerate_server.serving(cfg.prepare.regenerate_server, folder, journal_folder(cfg) / "server.log",
-                              cfg.prepare.regenerate_model or cfg.target.name,
-                              cfg.prepare.endpoint_concurrency) as endpoint:
+        raise UserError(
+            f"data={cfg.data.name}: every conversation holds an MT-bench or HumanEval prompt (dropped)"
+        )
+    with regenerate_server.serving(
+        cfg.prepare.regenerate_server,
+        folder,
+        journal_folder(cfg) / "server.log",
+        cfg.prepare.regenerate_model or cfg.target.name,
+        cfg.prepare.endpoint_concurrency,
+    ) as endpoint:
         synth_stats = None
         if cfg.prepare.synthesize:
             n = len(convs)
             synth_stats = synthesize(cfg, folder, tok, convs, endpoint)
             # a prompt the target wrote is checked as the data's were (it can recite a HumanEval prompt)
-            convs[n:], synth_stats["leaks"] = leaks.check(convs[n:], str(getattr(cfg.data.on_leak, "value",
-                                                                                 cfg.data.on_leak)))
+            convs[n:], synth_stats["leaks"] = leaks.check(
+                convs[n:], str(getattr(cfg.data.on_leak, "value", cfg.data.on_leak))
+            )
         if cfg.prepare.regenerate:
             convs[:], long_prompts = cut_long_prompts(tok, convs, cfg.prepare.max_len)
             regen_stats = regenerate(cfg, folder, tok, convs, endpoint) | {"long_prompts": long_prompts}
@@ -190,12 +238,20 @@ def run(cfg) -> Path:
     drops.log_summary()
     if not rows["sample_id"]:
         raise UserError(f"prepare: every conversation was dropped ({drops.as_dict()})")
-    stats = _stats(cfg, folder, tok, rows, problems, drops, truncated, regen_stats) | {"synthesize": synth_stats}
+    stats = _stats(cfg, folder, tok, rows, problems, drops, truncated, regen_stats) | {
+        "synthesize": synth_stats
+    }
     stats |= {"leaks": leak_report, "heldout_samples": heldout, "mix": problems.summary}
     prepared.save(out_dir(cfg), rows, stats)
-    log.info("prepare: %d samples, %d tokens (%d supervised, %.1f%%), %d truncated -> %s", stats["samples"],
-             stats["tokens"], stats["supervised_tokens"], 100 * stats["supervised_tokens"] / stats["tokens"],
-             truncated, out_dir(cfg))
+    log.info(
+        "prepare: %d samples, %d tokens (%d supervised, %.1f%%), %d truncated -> %s",
+        stats["samples"],
+        stats["tokens"],
+        stats["supervised_tokens"],
+        100 * stats["supervised_tokens"] / stats["tokens"],
+        truncated,
+        out_dir(cfg),
+    )
     return out_dir(cfg)
 
 
@@ -245,11 +301,22 @@ def _stats(cfg, folder, tok, rows, problems, drops, truncated, regen_stats) -> d
     lengths = np.array([len(x) for x in rows["input_ids"]])
     supervised = int(sum(sum(m) for m in rows["loss_mask"]))
     return {
-        "schema_version": prepared.SCHEMA_VERSION, "produced_by": f"eaglepipe {__version__}",
-        "prepared_fingerprint": fingerprint(cfg), "target_path": str(folder),
-        "target_fingerprint": targets.fingerprint(folder), "chat_template_hash": targets.chat_template_hash(tok),
-        "max_len": cfg.prepare.max_len, "data": cfg.data.name, "samples": len(lengths),
-        "tokens": int(lengths.sum()), "supervised_tokens": supervised, "truncated": truncated,
-        "length_mean": float(lengths.mean()), "length_max": int(lengths.max()),
-        "skipped_records": problems.as_dict(), "changed_records": dict(problems.changed), "dropped_samples": drops.as_dict(), "regenerate": regen_stats,
+        "schema_version": prepared.SCHEMA_VERSION,
+        "produced_by": f"eaglepipe {__version__}",
+        "prepared_fingerprint": fingerprint(cfg),
+        "target_path": str(folder),
+        "target_fingerprint": targets.fingerprint(folder),
+        "chat_template_hash": targets.chat_template_hash(tok),
+        "max_len": cfg.prepare.max_len,
+        "data": cfg.data.name,
+        "samples": len(lengths),
+        "tokens": int(lengths.sum()),
+        "supervised_tokens": supervised,
+        "truncated": truncated,
+        "length_mean": float(lengths.mean()),
+        "length_max": int(lengths.max()),
+        "skipped_records": problems.as_dict(),
+        "changed_records": dict(problems.changed),
+        "dropped_samples": drops.as_dict(),
+        "regenerate": regen_stats,
     }

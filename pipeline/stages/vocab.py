@@ -34,12 +34,16 @@ def check(cfg) -> None:
     K = cfg.vocab.draft_vocab_size
     V = None if OmegaConf.is_missing(cfg.target, "vocab_size") else cfg.target.vocab_size
     if K < 1 or (V is not None and K > V):
-        raise UserError(f"vocab.draft_vocab_size={K}: must be in [1, {V or 'the target vocabulary'}] "
-                        f"(target {cfg.target.name}'s vocabulary)")
+        raise UserError(
+            f"vocab.draft_vocab_size={K}: must be in [1, {V or 'the target vocabulary'}] "
+            f"(target {cfg.target.name}'s vocabulary)"
+        )
 
 
 def fingerprint(cfg) -> str:
-    return digest({"features": features.fingerprint_text(cfg), "draft_vocab_size": cfg.vocab.draft_vocab_size})
+    return digest(
+        {"features": features.fingerprint_text(cfg), "draft_vocab_size": cfg.vocab.draft_vocab_size}
+    )
 
 
 def is_complete(cfg) -> bool:
@@ -57,21 +61,42 @@ def run(cfg) -> Path:
         np.add.at(freq, ids[mask.astype(bool)], 1)
     d2t, t2d, padded = vocab_map.build(freq, K)
     if padded:
-        log.warning("vocab: only %d distinct supervised ids seen; %d lowest unused ids padded in to reach %d",
-                    K - padded, padded, K)
-    used = (np.arange(K) + d2t.numpy())
+        log.warning(
+            "vocab: only %d distinct supervised ids seen; %d lowest unused ids padded in to reach %d",
+            K - padded,
+            padded,
+            K,
+        )
+    used = np.arange(K) + d2t.numpy()
     coverage = float(freq[used].sum() / max(freq.sum(), 1))
     tok = targets.load_tokenizer(Path(store.facts["target_path"]), cfg.target)
     top = np.argsort(-freq, kind="stable")[:20]
-    report = {"supervised_tokens": int(freq.sum()), "distinct_ids_seen": int((freq > 0).sum()),
-              "padded_ids": padded, "coverage": coverage,
-              "top_tokens": [{"id": int(i), "token": tok.convert_ids_to_tokens(int(i)), "count": int(freq[i])}
-                             for i in top if freq[i] > 0]}
-    info = {"produced_by": f"eaglepipe {__version__}", "features_manifest_hash": store.manifest_hash(),
-            "target_fingerprint": store.facts["target_fingerprint"], "coverage": coverage, "padded_ids": padded}
+    report = {
+        "supervised_tokens": int(freq.sum()),
+        "distinct_ids_seen": int((freq > 0).sum()),
+        "padded_ids": padded,
+        "coverage": coverage,
+        "top_tokens": [
+            {"id": int(i), "token": tok.convert_ids_to_tokens(int(i)), "count": int(freq[i])}
+            for i in top
+            if freq[i] > 0
+        ],
+    }
+    info = {
+        "produced_by": f"eaglepipe {__version__}",
+        "features_manifest_hash": store.manifest_hash(),
+        "target_fingerprint": store.facts["target_fingerprint"],
+        "coverage": coverage,
+        "padded_ids": padded,
+    }
     vocab_map.save(out_dir(cfg), d2t, t2d, freq, info)
     (out_dir(cfg) / "report.json").write_text(json.dumps(report, indent=1))
-    log.info("vocab: %d draft ids cover %.2f%% of %d supervised tokens (%d distinct seen, %d padded)",
-             K, 100 * coverage, freq.sum(), report["distinct_ids_seen"], padded)
+    log.info(
+        "vocab: %d draft ids cover %.2f%% of %d supervised tokens (%d distinct seen, %d padded)",
+        K,
+        100 * coverage,
+        freq.sum(),
+        report["distinct_ids_seen"],
+        padded,
+    )
     return out_dir(cfg)
-

@@ -35,8 +35,10 @@ def run(cfg) -> Path:
     shards = len(manifest["shards"])
     if bad:
         names = ", ".join(sorted(by_shard))
-        raise UserError(f"check-store: {len(bad)} damaged chunk(s) in {len(by_shard)} of {shards} shard(s) of "
-                        f"{root} ({names}); extract them again with `eaglepipe stage=extract extract.repair=true "
-                        f"run_dir={cfg.run_dir}` plus the run's own overrides")
+        raise UserError(
+            f"check-store: {len(bad)} damaged chunk(s) in {len(by_shard)} of {shards} shard(s) of "
+            f"{root} ({names}); extract them again with `eaglepipe stage=extract extract.repair=true "
+            f"run_dir={cfg.run_dir}` plus the run's own overrides"
+        )
     print(f"check-store: {root}: {shards} shard(s), every chunk passes its {fs.CHECKSUM} check")
     return root

@@ -33,14 +33,19 @@ def parse_launch(line: str) -> dict:
         i += 1
     engine = launched_engine(argv)
     if engine == "sglang":
-        return {"engine": "sglang", "algorithm": opts.get("speculative-algorithm"),
-                "draft": opts.get("speculative-draft-model-path")}
+        return {
+            "engine": "sglang",
+            "algorithm": opts.get("speculative-algorithm"),
+            "draft": opts.get("speculative-draft-model-path"),
+        }
     if engine == "vllm":
         try:
             spec = json.loads(opts.get("speculative-config") or "{}")
         except json.JSONDecodeError as e:
-            raise UserError(f"--speculative-config is not JSON ({e.msg} at char {e.pos}): "
-                            f"{opts.get('speculative-config')!r}") from None
+            raise UserError(
+                f"--speculative-config is not JSON ({e.msg} at char {e.pos}): "
+                f"{opts.get('speculative-config')!r}"
+            ) from None
         return {"engine": "vllm", "algorithm": spec.get("method"), "draft": spec.get("model")}
     raise UserError("launch line names neither sglang nor vllm")
 
@@ -52,7 +57,9 @@ def launched_engine(argv: list[str]) -> str | None:
     for a in argv:
         if a.startswith("--"):
             break
-        if not a.startswith("-"):  # interpreter flags before -m (`python -u -m sglang.launch_server`) are skipped
+        if not a.startswith(
+            "-"
+        ):  # interpreter flags before -m (`python -u -m sglang.launch_server`) are skipped
             program.append(a)
     for word in program:
         name = word.rsplit("/", 1)[-1]
@@ -74,12 +81,17 @@ def read_server(url: str) -> dict:
             r = httpx.get(url + path, timeout=30)
             if r.status_code == 200:
                 info = r.json()
-                return {"engine": "sglang", "algorithm": info.get("speculative_algorithm"),
-                        "draft": info.get("speculative_draft_model_path")}
+                return {
+                    "engine": "sglang",
+                    "algorithm": info.get("speculative_algorithm"),
+                    "draft": info.get("speculative_draft_model_path"),
+                }
     except httpx.HTTPError as e:
         raise UserError(f"doctor: {url}: {type(e).__name__}: {e}; is the server running?") from None
-    raise UserError(f"doctor: {url} has no /server_info or /get_server_info: not an SGLang server "
-                    "(for vLLM pass its launch line: launch='vllm serve ...')")
+    raise UserError(
+        f"doctor: {url} has no /server_info or /get_server_info: not an SGLang server "
+        "(for vLLM pass its launch line: launch='vllm serve ...')"
+    )
 
 
 def diagnose(export_dir: Path, line: str | None = None, server: str | None = None) -> list[str]:
@@ -90,22 +102,30 @@ def diagnose(export_dir: Path, line: str | None = None, server: str | None = Non
     algo = (launch["algorithm"] or "").upper()
     if algo != "EAGLE3":
         flag = "--speculative-algorithm EAGLE3" if launch["engine"] == "sglang" else '"method": "eagle3"'
-        findings.append(f"speculative algorithm is {launch['algorithm']!r}, not EAGLE3: the aux hidden states are "
-                        f"never captured and fc is bypassed -> use {flag}")
+        findings.append(
+            f"speculative algorithm is {launch['algorithm']!r}, not EAGLE3: the aux hidden states are "
+            f"never captured and fc is bypassed -> use {flag}"
+        )
     if not launch["draft"] or Path(launch["draft"]).resolve() != export_dir.resolve():
         findings.append(f"the draft path {launch['draft']!r} is not this export -> point it at {export_dir}")
     if manifest["engine"] != launch["engine"]:
-        findings.append(f"this export is in {manifest['engine']}'s layout but the line starts {launch['engine']} -> "
-                        f"use {export_dir.parent / launch['engine']}")
-    findings += [f"{p} -> re-export with `eaglepipe stage=export run_dir={manifest['run_dir']}`"
-                 for p in check_export(export_dir, manifest["engine"], facts, export_architecture(manifest))]
+        findings.append(
+            f"this export is in {manifest['engine']}'s layout but the line starts {launch['engine']} -> "
+            f"use {export_dir.parent / launch['engine']}"
+        )
+    findings += [
+        f"{p} -> re-export with `eaglepipe stage=export run_dir={manifest['run_dir']}`"
+        for p in check_export(export_dir, manifest["engine"], facts, export_architecture(manifest))
+    ]
     return findings
 
 
 def run(cfg) -> Path:
     if not cfg.export_dir or not (cfg.launch or cfg.server):
-        raise UserError("doctor needs export_dir=<export folder> and launch='<server launch line>' "
-                        "or server=http://host:port (a running SGLang server)")
+        raise UserError(
+            "doctor needs export_dir=<export folder> and launch='<server launch line>' "
+            "or server=http://host:port (a running SGLang server)"
+        )
     findings = diagnose(Path(cfg.export_dir), cfg.launch, cfg.server)
     for f in findings:
         print(f"doctor: {f}")

@@ -1,4 +1,5 @@
-"""`eaglepipe parity [extract.limit=64]` (GPU box with sglang): the same samples through both capture backends.
+"""`eaglepipe parity [extract.limit=64]` (GPU box with sglang): the same samples through both capture
+backends.
 
 Extracts run_dir/prepared (first extract.limit samples) with `hf` into run_dir/parity/hf/features and with
 `sglang` into run_dir/parity/sglang/features, then reports, per captured layer (each aux id, and the last
@@ -29,22 +30,30 @@ def relative_errors(ref: dict, other: dict, n_aux: int, hidden: int) -> list[tor
     if not torch.equal(ref["input_ids"], other["input_ids"]):
         raise UserError("parity: the two stores hold different tokens for the same sample")
     a, b = ref["aux_hidden"].float(), other["aux_hidden"].float()
-    blocks = [(a[:, i * hidden:(i + 1) * hidden], b[:, i * hidden:(i + 1) * hidden]) for i in range(n_aux)]
+    blocks = [
+        (a[:, i * hidden : (i + 1) * hidden], b[:, i * hidden : (i + 1) * hidden]) for i in range(n_aux)
+    ]
     blocks.append((ref["last_hidden"].float(), other["last_hidden"].float()))
     return [(x - y).norm(dim=-1) / x.norm(dim=-1).clamp_min(1e-6) for x, y in blocks]
 
 
 def compare(ref: fs.FeatureStore, other: fs.FeatureStore) -> dict:
     if ref.aux_layer_ids != other.aux_layer_ids or len(ref) != len(other):
-        raise UserError(f"parity: stores differ in aux ids ({ref.aux_layer_ids} vs {other.aux_layer_ids}) "
-                        f"or samples ({len(ref)} vs {len(other)})")
+        raise UserError(
+            f"parity: stores differ in aux ids ({ref.aux_layer_ids} vs {other.aux_layer_ids}) "
+            f"or samples ({len(ref)} vs {len(other)})"
+        )
     names = [f"aux layer {k}" for k in ref.aux_layer_ids] + ["last (pre-norm)"]
     per_layer: list[list[torch.Tensor]] = [[] for _ in names]
     for i in range(len(ref)):
-        for j, e in enumerate(relative_errors(ref.sample(i), other.sample(i), len(ref.aux_layer_ids), ref.hidden_size)):
+        for j, e in enumerate(
+            relative_errors(ref.sample(i), other.sample(i), len(ref.aux_layer_ids), ref.hidden_size)
+        ):
             per_layer[j].append(e)
-    return {name: {"max_rel_err": float(torch.cat(e).max()), "mean_rel_err": float(torch.cat(e).mean())}
-            for name, e in zip(names, per_layer)}
+    return {
+        name: {"max_rel_err": float(torch.cat(e).max()), "mean_rel_err": float(torch.cat(e).mean())}
+        for name, e in zip(names, per_layer)
+    }
 
 
 def run(cfg) -> Path:
@@ -61,8 +70,11 @@ def run(cfg) -> Path:
             link.symlink_to(prepared.resolve())
         extract.run(sub)
         stores[backend] = fs.FeatureStore(extract.out_dir(sub))
-    report = {"samples": len(stores["hf"]), "aux_layer_ids": stores["hf"].aux_layer_ids,
-              "layers": compare(stores["hf"], stores["sglang"])}
+    report = {
+        "samples": len(stores["hf"]),
+        "aux_layer_ids": stores["hf"].aux_layer_ids,
+        "layers": compare(stores["hf"], stores["sglang"]),
+    }
     (root / "parity.json").write_text(json.dumps(report, indent=1))
     for name, r in report["layers"].items():
         print(f"parity: {name:<18} max rel err {r['max_rel_err']:.3e}  mean {r['mean_rel_err']:.3e}")

@@ -1,8 +1,10 @@
 """`eaglepipe plan`: the draft's training memory per GPU, computed before anything is bought or queued.
 
-    eaglepipe plan target=kimi_k25 train.tokens_per_pack=8192 train.ttt_steps=7 plan.world_size=8 train.strategy=fsdp
+    eaglepipe plan target=kimi_k25 train.tokens_per_pack=8192 train.ttt_steps=7 plan.world_size=8
+    train.strategy=fsdp
 
-The draft is built on the meta device at the target's declared shape (conf/target/*.yaml; no weights, no memory)
+The draft is built on the meta device at the target's declared shape (conf/target/*.yaml; no weights, no
+memory)
 for its parameter counts; pipeline/models/memory.py adds up parameters, gradients, AdamW, DDP buckets or FSDP
 shards, the batch and the TTT activations (docs/scale.md: what each term is and how it was checked). Prints a
 table per part, the peak, and whether it fits `plan.gpu_memory_gib`; writes nothing.
@@ -26,17 +28,28 @@ log = logging.getLogger(__name__)
 
 def shape_of(cfg) -> memory.DraftShape:
     t = cfg.target
-    missing = [k for k in ("num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size")
-               if t.get(k) is None]
+    missing = [
+        k
+        for k in ("num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size")
+        if t.get(k) is None
+    ]
     if missing:
-        raise UserError(f"plan: target {t.name} declares no {', '.join(missing)}; add the "
-                        "target's layer shape to its conf/target/*.yaml (as kimi_k25.yaml does)")
+        raise UserError(
+            f"plan: target {t.name} declares no {', '.join(missing)}; add the "
+            "target's layer shape to its conf/target/*.yaml (as kimi_k25.yaml does)"
+        )
     if str(getattr(cfg.train.draft_arch, "value", cfg.train.draft_arch)) != "llama":
         raise UserError("plan: the memory model covers the Llama draft layer (train.draft_arch=llama) only")
-    return memory.DraftShape(tokens=cfg.train.tokens_per_pack, ttt_steps=cfg.train.ttt_steps, hidden=t.hidden_size,
-                             intermediate=t.intermediate_size, heads=t.num_attention_heads,
-                             kv_heads=t.num_key_value_heads, head_dim=t.head_dim,
-                             draft_vocab=min(cfg.vocab.draft_vocab_size, t.vocab_size))
+    return memory.DraftShape(
+        tokens=cfg.train.tokens_per_pack,
+        ttt_steps=cfg.train.ttt_steps,
+        hidden=t.hidden_size,
+        intermediate=t.intermediate_size,
+        heads=t.num_attention_heads,
+        kv_heads=t.num_key_value_heads,
+        head_dim=t.head_dim,
+        draft_vocab=min(cfg.vocab.draft_vocab_size, t.vocab_size),
+    )
 
 
 def compute(cfg) -> dict:
@@ -54,16 +67,31 @@ def compute(cfg) -> dict:
     beside = {}
     if features.online(cfg):  # the target in extract's dtype, auto = bf16 on GPU
         beside[ONLINE_TARGET] = (4 if cfg.extract.dtype in ("fp32", "float32") else 2) * target_params
-    # the probe's target is fp32 on eval.device: auto = the device a planned run trains on (plan.precision bf16: a
+    # the probe's target is fp32 on eval.device: auto = the device a planned run trains on (plan.precision
+    # bf16: a
     # GPU, where it counts; fp32: the CPU, whose memory this plan does not model)
     on_gpu = cfg.eval.device not in ("cpu", "auto") or (cfg.eval.device == "auto" and p.precision == "bf16")
     if cfg.train.eval_tau_every_steps and on_gpu:
         beside[PROBE_TARGET] = 4 * target_params
-    est = memory.estimate(shape, params, p.world_size, strategy, bf16=p.precision == "bf16",
-                          loss_chunk=cfg.train.loss_chunk_tokens, beside=beside)
-    est.update(target=cfg.target.name, shape=shape.__dict__, params=params.__dict__, aux_layer_ids=aux,
-               target_parameters=target_params, target_parameters_from=counted,
-               gpu_memory_gib=p.gpu_memory_gib, fits=est["peak"] <= p.gpu_memory_gib * memory.GIB)
+    est = memory.estimate(
+        shape,
+        params,
+        p.world_size,
+        strategy,
+        bf16=p.precision == "bf16",
+        loss_chunk=cfg.train.loss_chunk_tokens,
+        beside=beside,
+    )
+    est.update(
+        target=cfg.target.name,
+        shape=shape.__dict__,
+        params=params.__dict__,
+        aux_layer_ids=aux,
+        target_parameters=target_params,
+        target_parameters_from=counted,
+        gpu_memory_gib=p.gpu_memory_gib,
+        fits=est["peak"] <= p.gpu_memory_gib * memory.GIB,
+    )
     return est
 
 
@@ -72,20 +100,25 @@ PROBE_TARGET = "tau probe's target, fp32 (train.eval_tau_every_steps: rank 0, on
 
 
 def target_parameters(cfg, shape: memory.DraftShape) -> tuple[int, str]:
-    """The target's parameter count and where it comes from: declared (target.num_parameters), or a dense estimate
+    """The target's parameter count and where it comes from: declared (target.num_parameters), or a dense
+    estimate
     from the declared layer shape."""
     t = cfg.target
     if t.get("num_parameters"):
         return int(t.num_parameters), "declared (target.num_parameters)"
-    return memory.dense_target_params(t.num_layers, shape, t.vocab_size), "dense estimate from the layer shape"
+    return memory.dense_target_params(
+        t.num_layers, shape, t.vocab_size
+    ), "dense estimate from the layer shape"
 
 
 def run(cfg) -> None:
     est = compute(cfg)
     s, gib = est["shape"], memory.GIB
-    table = Table(title=f"eaglepipe plan: {est['target']} draft, {s['tokens']:,}-token packs, TTT {s['ttt_steps']}, "
-                        f"{est['world_size']} x {est['strategy'].upper()}, {'bf16 autocast' if est['bf16'] else 'fp32'}"
-                        " (computed, per GPU)")
+    table = Table(
+        title=f"eaglepipe plan: {est['target']} draft, {s['tokens']:,}-token packs, TTT {s['ttt_steps']}, "
+        f"{est['world_size']} x {est['strategy'].upper()}, {'bf16 autocast' if est['bf16'] else 'fp32'}"
+        " (computed, per GPU)"
+    )
     table.add_column("part")
     table.add_column("GiB", justify="right")
     for name, value in est["parts"].items():
@@ -97,9 +130,19 @@ def run(cfg) -> None:
     Console(width=140).print(table)
     p = est["params"]
     verdict = "fits" if est["fits"] else "does NOT fit"
-    print(f"draft: {p['trainable']:,} trainable + {p['frozen']:,} frozen parameters (aux layers "
-          f"{est['aux_layer_ids']}); {verdict} in {est['gpu_memory_gib']:g} GiB")
+    print(
+        f"draft: {p['trainable']:,} trainable + {p['frozen']:,} frozen parameters (aux layers "
+        f"{est['aux_layer_ids']}); {verdict} in {est['gpu_memory_gib']:g} GiB"
+    )
     if ONLINE_TARGET in est["parts"] or PROBE_TARGET in est["parts"]:
         print(f"target: {est['target_parameters']:,} parameters ({est['target_parameters_from']})")
-    print(f"loss: {'chunked KL, ' + str(cfg.train.loss_chunk_tokens) + ' positions a chunk' if cfg.train.loss_chunk_tokens else 'eager (train.loss_chunk_tokens=null)'}")
-    print("json: " + json.dumps({k: est[k] for k in ("target", "world_size", "strategy", "bf16", "peak", "fits")}))
+    chunk = cfg.train.loss_chunk_tokens
+    print(
+        f"loss: chunked KL, {chunk} positions a chunk"
+        if chunk
+        else "loss: eager (train.loss_chunk_tokens=null)"
+    )
+    print(
+        "json: "
+        + json.dumps({k: est[k] for k in ("target", "world_size", "strategy", "bf16", "peak", "fits")})
+    )

@@ -44,7 +44,9 @@ def read_export(folder: Path) -> tuple[dict, dict]:
     manifest = json.loads(path.read_text())
     store = Path(manifest["run_dir"]) / "features" / "manifest.json"
     if not store.is_file():
-        raise UserError(f"the export's feature store {store} is gone: the aux ids cannot be checked against it")
+        raise UserError(
+            f"the export's feature store {store} is gone: the aux ids cannot be checked against it"
+        )
     return manifest, json.loads(store.read_text())["facts"]
 
 
@@ -55,16 +57,20 @@ def export_architecture(manifest: dict) -> str:
         return manifest["target_architecture"]
     folder = Path(manifest["target_path"])
     if not (folder / "config.json").is_file():
-        raise UserError(f"the export's target {folder} is gone and its manifest does not name the target class: "
-                        "re-export it")
+        raise UserError(
+            f"the export's target {folder} is gone and its manifest does not name the target class: "
+            "re-export it"
+        )
     return targets.architecture(folder)
 
 
 def engine_python(engine: str, python: str | None = None) -> str:
     python = python or str(ENGINES_PYTHON)
     if not Path(python).exists():
-        raise UserError(f"verifying against {engine}'s own class needs {python}: run `make setup-engines` "
-                        "(or export.verify_in_engine=false to skip it, knowingly)")
+        raise UserError(
+            f"verifying against {engine}'s own class needs {python}: run `make setup-engines` "
+            "(or export.verify_in_engine=false to skip it, knowingly)"
+        )
     return python
 
 
@@ -73,8 +79,9 @@ def configured_python(cfg, engine: str) -> str | None:
     return cfg.export[f"{engine}_python"]
 
 
-def engine_report(folder: Path, engine: str, target_dir: str, python: str | None = None,
-                  algorithm: str = "EAGLE3") -> dict:
+def engine_report(
+    folder: Path, engine: str, target_dir: str, python: str | None = None, algorithm: str = "EAGLE3"
+) -> dict:
     """Run pipeline/engines/<engine>_verify.py in the engine's virtualenv; its JSON report. For SGLang,
     `algorithm` is the --speculative-algorithm its server-side resolution is asked about."""
     cmd = [engine_python(engine, python), "-m", ENGINE_MODULE[engine], str(folder), str(target_dir)]
@@ -87,33 +94,50 @@ def engine_report(folder: Path, engine: str, target_dir: str, python: str | None
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
-def engine_problems(report: dict, want_ids: list[int] | None = None, ours: list[int] | None = None) -> list[str]:
-    """Every problem in an engine report; `want_ids` = the store's aux ids in that engine's numbering, `ours` =
+def engine_problems(
+    report: dict, want_ids: list[int] | None = None, ours: list[int] | None = None
+) -> list[str]:
+    """Every problem in an engine report; `want_ids` = the store's aux ids in that engine's numbering, `ours`
+    =
     the store's own (the outputs of which layers the target must capture)."""
     who = f"{report['class']} ({report['engine']} {report['engine_version']})"
     problems = [f"{who} raised while loading: {e}" for e in report["errors"]]
     if report["dropped"]:
         problems.append(f"{who} silently dropped {len(report['dropped'])} tensors: {report['dropped'][:4]}")
     if report["unwritten"] or report["partly_written"]:
-        problems.append(f"{who} parameters not written by the export: {(report['unwritten'] + report['partly_written'])[:4]}")
+        problems.append(
+            f"{who} parameters not written by the export: "
+            f"{(report['unwritten'] + report['partly_written'])[:4]}"
+        )
     if report["hot_token_id_ok"] is False:
         problems.append(f"{who}: draft->target ids (arange + d2t) are not the t2d ids")
     if report.get("captures_aux_hidden_states") is False or report.get("uses_aux_hidden_states") is False:
         problems.append(f"{who} would not feed aux hidden states to the draft (fc bypassed)")
     read = report.get("aux_layer_ids_read")
     if want_ids is not None and read != want_ids:
-        problems.append(f"{who} reads aux layer ids {read} from the config, the store needs {want_ids}"
-                        + (" (None: the engine's default layers)" if read is None else ""))
+        problems.append(
+            f"{who} reads aux layer ids {read} from the config, the store needs {want_ids}"
+            + (" (None: the engine's default layers)" if read is None else "")
+        )
     captured = report.get("target_layers_to_capture")  # SGLang: what the target class itself made of them
     if ours is not None and "target_layers_to_capture" in report and captured != [k + 1 for k in ours]:
-        problems.append(f"the target's own {report.get('target_class')} captures the inputs of layers {captured}, "
-                        f"i.e. the outputs of layers {[k - 1 for k in captured or []]}; the draft was trained "
-                        f"on the outputs of {ours}")
+        problems.append(
+            f"the target's own {report.get('target_class')} captures the inputs of layers {captured}, "
+            f"i.e. the outputs of layers {[k - 1 for k in captured or []]}; the draft was trained "
+            f"on the outputs of {ours}"
+        )
     return problems
 
 
-def verify_export(folder: Path, engine: str, facts: dict, target_dir: str, in_engine: bool = True,
-                  python: str | None = None, architecture: str = "") -> tuple[list[str], dict | None]:
+def verify_export(
+    folder: Path,
+    engine: str,
+    facts: dict,
+    target_dir: str,
+    in_engine: bool = True,
+    python: str | None = None,
+    architecture: str = "",
+) -> tuple[list[str], dict | None]:
     """(problems, engine report or None). Engine-free checks first; the engine only if they pass.
     `architecture` = the target's class (config.json `architectures[0]`)."""
     problems = check_export(folder, engine, facts, architecture)
@@ -132,8 +156,11 @@ def check_export(folder: Path, engine: str, facts: dict, architecture: str = "")
         return problems  # nothing else can be checked
     hidden, V = int(facts["hidden_size"]), int(facts["vocab_size"])
     want_ids = facts["aux_layer_ids"]
-    ids = ((config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids") if engine == "sglang"
-           else config.get("eagle_aux_hidden_state_layer_ids"))
+    ids = (
+        (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+        if engine == "sglang"
+        else config.get("eagle_aux_hidden_state_layer_ids")
+    )
     try:
         engine_want = lay.engine_layer_ids(engine, want_ids, architecture)
     except lay.AuxIdsUnservable as e:
@@ -141,12 +168,16 @@ def check_export(folder: Path, engine: str, facts: dict, architecture: str = "")
     if not ids:
         problems.append("aux layer ids missing from config.json: the engine would capture its default layers")
     elif ids != engine_want:
-        problems.append(f"aux layer ids {ids} != {engine_want} ({engine} numbering of the store's {want_ids})")
+        problems.append(
+            f"aux layer ids {ids} != {engine_want} ({engine} numbering of the store's {want_ids})"
+        )
     fc = tensors.get("fc.weight")
     if fc is None:
         problems.append("fc.weight missing")
     elif fc.shape[1] != len(want_ids) * hidden:
-        problems.append(f"fc.weight takes {fc.shape[1]} inputs, expected n_aux x hidden = {len(want_ids)} x {hidden}")
+        problems.append(
+            f"fc.weight takes {fc.shape[1]} inputs, expected n_aux x hidden = {len(want_ids)} x {hidden}"
+        )
     if "d2t" not in tensors or "t2d" not in tensors:
         problems.append("d2t/t2d missing")
     else:
@@ -158,11 +189,17 @@ def check_export(folder: Path, engine: str, facts: dict, architecture: str = "")
         if not row["finite"]:
             problems.append(f"{row['name']} has non-finite values")
         elif lay.is_dead(row):
-            problems.append(f"{row['name']} is constant (std 0, norm {row['norm']:.3g}): not a trained weight")
+            problems.append(
+                f"{row['name']} is constant (std 0, norm {row['norm']:.3g}): not a trained weight"
+            )
     if engine == "sglang":
         problems += _check_sglang(config, tensors, facts)
     else:
-        bad = [k for k in tensors if not (k.startswith(("layers.0.", "fc.", "norm.", "lm_head.")) or k in ("d2t", "t2d"))]
+        bad = [
+            k
+            for k in tensors
+            if not (k.startswith(("layers.0.", "fc.", "norm.", "lm_head.")) or k in ("d2t", "t2d"))
+        ]
         if bad:
             problems.append(f"vLLM's eagle3 loader raises on unknown names: {bad[:4]}")
     return problems
@@ -178,13 +215,25 @@ def _read_files(folder: Path) -> tuple[dict, dict, list[str]]:
     try:
         tensors = load_file(str(folder / "model.safetensors"))
     except (OSError, SafetensorError) as e:
-        problems.append(f"model.safetensors cannot be read ({type(e).__name__}: {e}); export again (stage=export)")
+        problems.append(
+            f"model.safetensors cannot be read ({type(e).__name__}: {e}); export again (stage=export)"
+        )
     return config, tensors, problems
 
 
-SGLANG_LAYER_KEYS = {"llama": ("hidden_size", "num_attention_heads", "num_key_value_heads", "intermediate_size"),
-                     "mla": ("hidden_size", "num_attention_heads", "intermediate_size", "q_lora_rank",
-                             "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim")}
+SGLANG_LAYER_KEYS = {
+    "llama": ("hidden_size", "num_attention_heads", "num_key_value_heads", "intermediate_size"),
+    "mla": (
+        "hidden_size",
+        "num_attention_heads",
+        "intermediate_size",
+        "q_lora_rank",
+        "kv_lora_rank",
+        "qk_rope_head_dim",
+        "qk_nope_head_dim",
+        "v_head_dim",
+    ),
+}
 
 
 def _check_sglang(config: dict, tensors: dict, facts: dict) -> list[str]:
@@ -197,9 +246,11 @@ def _check_sglang(config: dict, tensors: dict, facts: dict) -> list[str]:
         problems.append("draft_vocab_size missing: SGLang would use the target's lm_head, not the draft's")
     pre_rename = sorted(k for k in tensors if k.startswith("layers."))
     if pre_rename and layout.name == "llama":  # the MLA class maps layers.0.* itself, in every release
-        problems.append(f"{len(pre_rename)} tensors named layers.* ({pre_rename[0]}, ...): SGLang before the "
-                        "model.layers.0 rename names the layer midlayer.* and drops layers.* without a word; "
-                        "the SGLang layout writes midlayer.*, which every SGLang loads")
+        problems.append(
+            f"{len(pre_rename)} tensors named layers.* ({pre_rename[0]}, ...): SGLang before the "
+            "model.layers.0 rename names the layer midlayer.* and drops layers.* without a word; "
+            "the SGLang layout writes midlayer.*, which every SGLang loads"
+        )
     missing = [k for k in SGLANG_LAYER_KEYS[layout.name] if not isinstance(config.get(k), int)]
     if missing:
         return problems + [f"config.json lacks {', '.join(missing)}: SGLang cannot build the draft layer"]
@@ -210,7 +261,11 @@ def _check_sglang(config: dict, tensors: dict, facts: dict) -> list[str]:
         problems.append(f"SGLang parameters never written: {report['unwritten'][:4]}")
     problems += report["shape_problems"]
     hot = report["hot_token_id"]
-    if hot is not None and "t2d" in tensors and not bool(tensors["t2d"][hot.clamp(0, len(tensors["t2d"]) - 1)].all()):
+    if (
+        hot is not None
+        and "t2d" in tensors
+        and not bool(tensors["t2d"][hot.clamp(0, len(tensors["t2d"]) - 1)].all())
+    ):
         problems.append("SGLang's hot_token_id (arange + d2t) does not point at the t2d ids")
     return problems
 
@@ -218,22 +273,38 @@ def _check_sglang(config: dict, tensors: dict, facts: dict) -> list[str]:
 def _sglang_replay(layout: lay.DraftArch, config: dict, tensors: dict, facts: dict) -> dict:
     """The replay of the SGLang class's load_weights for this layout over the export's tensors."""
     c = config
-    common = dict(hidden=c["hidden_size"], target_hidden=int(facts["hidden_size"]), n_aux=len(facts["aux_layer_ids"]),
-                  heads=c["num_attention_heads"], intermediate=c["intermediate_size"], vocab=int(facts["vocab_size"]),
-                  draft_vocab=int(c.get("draft_vocab_size") or 0))
+    common = dict(
+        hidden=c["hidden_size"],
+        target_hidden=int(facts["hidden_size"]),
+        n_aux=len(facts["aux_layer_ids"]),
+        heads=c["num_attention_heads"],
+        intermediate=c["intermediate_size"],
+        vocab=int(facts["vocab_size"]),
+        draft_vocab=int(c.get("draft_vocab_size") or 0),
+    )
     if layout.name == "mla":
-        shape = lay.MLAShape(**common, q_lora=c["q_lora_rank"], kv_lora=c["kv_lora_rank"], rope=c["qk_rope_head_dim"],
-                             nope=c["qk_nope_head_dim"], v=c["v_head_dim"])
+        shape = lay.MLAShape(
+            **common,
+            q_lora=c["q_lora_rank"],
+            kv_lora=c["kv_lora_rank"],
+            rope=c["qk_rope_head_dim"],
+            nope=c["qk_nope_head_dim"],
+            v=c["v_head_dim"],
+        )
         return lay.sglang_mla_load_report(tensors, lay.sglang_mla_param_table(shape))
-    shape = lay.Shape(**common, kv_heads=c["num_key_value_heads"],
-                      head_dim=c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"])
+    shape = lay.Shape(
+        **common,
+        kv_heads=c["num_key_value_heads"],
+        head_dim=c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"],
+    )
     return lay.sglang_load_report(tensors, lay.sglang_param_table(shape))
 
 
 def run(cfg) -> Path:
     """Verify one export (export_dir=...), or every engine's export of run_dir."""
-    folders = ([Path(cfg.export_dir)] if cfg.export_dir else
-               [RunDir.of(cfg).export(e) for e in cfg.export.engines])
+    folders = (
+        [Path(cfg.export_dir)] if cfg.export_dir else [RunDir.of(cfg).export(e) for e in cfg.export.engines]
+    )
     failed = 0
     for folder in folders:
         manifest, facts = read_export(folder)
@@ -242,20 +313,33 @@ def run(cfg) -> Path:
             raise UserError(f"engine={engine!r}: known engines are {', '.join(ENGINE_MODULE)}")
         if engine != manifest["engine"]:
             print(f"verify: {folder} is in {manifest['engine']}'s layout; checking it as {engine} anyway")
-        problems, report = verify_export(folder, engine, facts, manifest["target_path"], True,
-                                         configured_python(cfg, engine), export_architecture(manifest))
+        problems, report = verify_export(
+            folder,
+            engine,
+            facts,
+            manifest["target_path"],
+            True,
+            configured_python(cfg, engine),
+            export_architecture(manifest),
+        )
         for p in problems:
             print(f"verify: {engine}: {p}")
         if problems:
             failed += 1
             continue
-        print(f"verify: {folder} loads completely into {report['engine']} {report['engine_version']}'s own "
-              f"{report['class']}: {len(report['consumed'])} tensors consumed, 0 dropped, "
-              f"every engine parameter written but the embedding (the target's), aux layer ids "
-              f"{report['aux_layer_ids_read']} read by the engine"
-              + (f" (the target's own {report['target_class']} captures the outputs of layers "
-                 f"{[k - 1 for k in report['target_layers_to_capture']]})" if report.get("target_class") else "")
-              + ", draft->target ids = arange + d2t")
+        print(
+            f"verify: {folder} loads completely into {report['engine']} {report['engine_version']}'s own "
+            f"{report['class']}: {len(report['consumed'])} tensors consumed, 0 dropped, "
+            f"every engine parameter written but the embedding (the target's), aux layer ids "
+            f"{report['aux_layer_ids_read']} read by the engine"
+            + (
+                f" (the target's own {report['target_class']} captures the outputs of layers "
+                f"{[k - 1 for k in report['target_layers_to_capture']]})"
+                if report.get("target_class")
+                else ""
+            )
+            + ", draft->target ids = arange + d2t"
+        )
     if failed:
         raise UserError(f"{failed} of {len(folders)} export(s) failed verification")
     return folders[0].parent

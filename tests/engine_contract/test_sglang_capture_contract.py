@@ -16,6 +16,7 @@ shims.install()  # before sglang: 0.5.17 imports torchvision from `import sglang
 sglang = pytest.importorskip("sglang")
 
 import torch  # noqa: E402
+
 from pipeline.engines import sglang_capture as sc  # noqa: E402
 from pipeline.formats import export_layouts as lay  # noqa: E402
 
@@ -53,6 +54,7 @@ def test_without_ids_sglang_would_capture_its_default_layers(target):
 
 def test_the_last_state_hook_keeps_the_pre_norm_residual_of_sglangs_own_final_norm(target):
     from sglang.srt.layers.layernorm import RMSNorm
+
     assert isinstance(target.model.norm, RMSNorm)
     norm = RMSNorm(16, eps=1e-6)
     hook = sc.LastStateHook(norm)
@@ -65,25 +67,35 @@ def test_the_last_state_hook_keeps_the_pre_norm_residual_of_sglangs_own_final_no
 
 def test_classes_that_capture_are_read_from_sglangs_source():
     names = sc.capturing_classes()
-    for cls in ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "DeepseekV2ForCausalLM",
-                "KimiK25ForConditionalGeneration"):
+    for cls in (
+        "LlamaForCausalLM",
+        "Qwen2ForCausalLM",
+        "Qwen3ForCausalLM",
+        "DeepseekV2ForCausalLM",
+        "KimiK25ForConditionalGeneration",
+    ):
         assert cls in names
     assert "GPT2LMHeadModel" not in names
 
 
 def test_a_target_class_without_capture_fails_early_naming_those_that_have_it():
-    with pytest.raises(sc.CaptureUnsupported, match="GPT2LMHeadModel.*no set_eagle3_layers_to_capture.*LlamaForCausalLM"):
+    with pytest.raises(
+        sc.CaptureUnsupported, match="GPT2LMHeadModel.*no set_eagle3_layers_to_capture.*LlamaForCausalLM"
+    ):
         sc.target_class("GPT2LMHeadModel")
     assert sc.target_class("DeepseekV3ForCausalLM")  # inherits the method from DeepseekV2ForCausalLM
 
 
 def test_requests_are_prefill_only_with_hidden_states(target_dir):
     from sglang.srt.managers.schedule_batch import Req
+
     reqs = sc.make_reqs([[5, 6, 7], [8, 9]], first_rid=10)
     assert all(isinstance(r, Req) for r in reqs) and [r.rid for r in reqs] == ["eaglepipe-10", "eaglepipe-11"]
     assert list(reqs[0].origin_input_ids) == [5, 6, 7] and reqs[1].sampling_params.max_new_tokens == 0
     assert reqs[0].return_hidden_states
-    prefix = reqs[0].prefix_len if hasattr(reqs[0], "prefix_len") else reqs[0].extend_range.start  # 0.5.23 / 0.5.17
+    prefix = (
+        reqs[0].prefix_len if hasattr(reqs[0], "prefix_len") else reqs[0].extend_range.start
+    )  # 0.5.23 / 0.5.17
     assert list(reqs[0].get_fill_ids()) == [5, 6, 7] and prefix == 0  # ready for prepare_for_extend
 
 
@@ -101,8 +113,16 @@ def test_our_requests_make_a_batch_that_sglang_prepares_for_extend_with_its_own_
 
     config = ModelConfig.from_server_args(sc.server_args(target_dir, 1, "cpu"))
     req_to_token = ReqToTokenPool(size=8, max_context_len=256, device="cpu", enable_memory_saver=False)
-    kv = MHATokenToKVPool(size=512, page_size=1, dtype=torch.bfloat16, head_num=2, head_dim=16, layer_num=8,
-                          device="cpu", enable_memory_saver=False)
+    kv = MHATokenToKVPool(
+        size=512,
+        page_size=1,
+        dtype=torch.bfloat16,
+        head_num=2,
+        head_dim=16,
+        layer_num=8,
+        device="cpu",
+        enable_memory_saver=False,
+    )
     allocator = TokenToKVPoolAllocator(512, torch.bfloat16, "cpu", kv, need_sort=False)
     cache = sc.disabled_prefix_cache(req_to_token, allocator)
     batch = sc.extend_batch(sc.make_reqs([[5, 6, 7], [8, 9]]), req_to_token, allocator, cache, config)

@@ -68,10 +68,19 @@ def test_the_kimi_k25_wrapper_hands_capture_to_its_deepseek_language_model(kimi)
     from sglang.srt.models.kimi_k25 import KimiK25ForConditionalGeneration
 
     text = {k: v for k, v in kimi.config.to_dict().items() if k not in ("architectures", "model_type")}
-    vision = dict(num_attention_heads=2, num_hidden_layers=1, hidden_size=32, intermediate_size=64,
-                  mm_hidden_size=32, vt_hidden_size=32, text_hidden_size=kimi.config.hidden_size)
+    vision = dict(
+        num_attention_heads=2,
+        num_hidden_layers=1,
+        hidden_size=32,
+        intermediate_size=64,
+        mm_hidden_size=32,
+        vt_hidden_size=32,
+        text_hidden_size=kimi.config.hidden_size,
+    )
     with torch.device("meta"):
-        config = KimiK25Config(text_config=text, vision_config=vision, encoder_only=False, language_only=False)
+        config = KimiK25Config(
+            text_config=text, vision_config=vision, encoder_only=False, language_only=False
+        )
         wrapper = KimiK25ForConditionalGeneration(config)
     assert type(wrapper.language_model).__name__ == "DeepseekV3ForCausalLM"
     assert sc.decoder_of(wrapper) is wrapper.language_model.model

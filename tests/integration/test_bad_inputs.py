@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
+from pipeline.errors import UserError
 from pipeline.stages import export
 from pipeline.tools import verify
-from pipeline.errors import UserError
 from pipeline.tools.verify import check_export
 
 pytestmark = pytest.mark.slow
@@ -21,8 +21,14 @@ RUN = ["+experiment=tiny", "data.limit=16", "train.max_steps=4"]  # the exported
 
 
 def cli(*args, cache_dir, prefix=()):
-    return subprocess.run([sys.executable, *prefix, "-m", "pipeline", *args, f"cache_dir={cache_dir}"], cwd=ROOT,
-                          capture_output=True, text=True, timeout=300, check=False)
+    return subprocess.run(
+        [sys.executable, *prefix, "-m", "pipeline", *args, f"cache_dir={cache_dir}"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
 
 
 def one_error_line(r) -> str:
@@ -34,8 +40,14 @@ def one_error_line(r) -> str:
 
 def test_data_path_that_is_a_directory_is_one_line(tmp_path, cache_dir):
     (tmp_path / "data").mkdir()
-    r = cli("stage=prepare", "target=tiny", "data=sharegpt", f"data.path={tmp_path / 'data'}",
-            f"run_dir={tmp_path / 'run'}", cache_dir=cache_dir)
+    r = cli(
+        "stage=prepare",
+        "target=tiny",
+        "data=sharegpt",
+        f"data.path={tmp_path / 'data'}",
+        f"run_dir={tmp_path / 'run'}",
+        cache_dir=cache_dir,
+    )
     assert "is a directory; data=sharegpt reads one .json or .jsonl file" in one_error_line(r)
 
 
@@ -48,16 +60,33 @@ def test_run_dir_that_is_a_file_is_one_line(tmp_path, cache_dir):
 
 # Root ignores permission bits, so the read-only run dir is a log file that cannot be opened (EACCES), the
 # way a read-only dir fails for any other user.
-DENY_LOG = ("import errno, logging, runpy, sys\n"
-            "def deny(self): raise PermissionError(errno.EACCES, 'Permission denied', self.baseFilename)\n"
-            "logging.FileHandler._open = deny; sys.argv[0] = 'pipeline'; runpy.run_module('pipeline', run_name='__main__')")
+DENY_LOG = (
+    "import errno, logging, runpy, sys\n"
+    "def deny(self): raise PermissionError(errno.EACCES, 'Permission denied', self.baseFilename)\n"
+    "logging.FileHandler._open = deny; sys.argv[0] = 'pipeline'; runpy.run_module('pipeline', "
+    "run_name='__main__')"
+)
 
 
 def test_run_dir_that_is_not_writable_is_one_line(tmp_path, cache_dir):
     run_dir = tmp_path / "run"
     run_dir.mkdir()
-    r = subprocess.run([sys.executable, "-c", DENY_LOG, "stage=prepare", "target=tiny", f"run_dir={run_dir}",
-                        f"cache_dir={cache_dir}"], cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            DENY_LOG,
+            "stage=prepare",
+            "target=tiny",
+            f"run_dir={run_dir}",
+            f"cache_dir={cache_dir}",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
     line = one_error_line(r)
     assert f"cannot write the log file {run_dir}/__main__.log (Permission denied)" in line, line
     assert not (run_dir / "prepared").exists()
@@ -66,15 +95,21 @@ def test_run_dir_that_is_not_writable_is_one_line(tmp_path, cache_dir):
 def test_target_base_target_is_one_line(tmp_path, cache_dir):
     r = cli("stage=prepare", "target=base_target", f"run_dir={tmp_path}", cache_dir=cache_dir)
     line = one_error_line(r)
-    assert "target=base_target is the schema every target/*.yaml builds on" in line and "smollm2, tiny" in line
+    assert (
+        "target=base_target is the schema every target/*.yaml builds on" in line and "smollm2, tiny" in line
+    )
 
 
-@pytest.mark.parametrize("override,message", [
-    ("train.nokey=1", "Key 'nokey' not in 'TrainConfig'"),
-    ("data.limit=[1", "override 'data.limit=[1': no viable alternative"),
-    ("target=nope", "Could not find 'target/nope'; Available options in 'target': kimi_k25,"),
-    ("train.lr=abc", "Value 'abc' of type 'str' could not be converted to Float"),
-], ids=["unknown-key", "override-grammar", "unknown-group-option", "wrong-type"])
+@pytest.mark.parametrize(
+    "override,message",
+    [
+        ("train.nokey=1", "Key 'nokey' not in 'TrainConfig'"),
+        ("data.limit=[1", "override 'data.limit=[1': no viable alternative"),
+        ("target=nope", "Could not find 'target/nope'; Available options in 'target': kimi_k25,"),
+        ("train.lr=abc", "Value 'abc' of type 'str' could not be converted to Float"),
+    ],
+    ids=["unknown-key", "override-grammar", "unknown-group-option", "wrong-type"],
+)
 def test_hydra_composition_errors_are_one_line_exit_2(tmp_path, cache_dir, override, message):
     r = cli("stage=prepare", "target=tiny", f"run_dir={tmp_path}", override, cache_dir=cache_dir)
     line = one_error_line(r)
@@ -88,18 +123,25 @@ def test_truncated_final_weights_then_export_is_one_line(exported_run, make_cfg,
     shutil.copytree(run_dir, copy, ignore=shutil.ignore_patterns("export"))
     weights = copy / "train/final/model.safetensors"
     weights.write_bytes(weights.read_bytes()[:1000])
-    with pytest.raises(UserError, match=r"the trained draft in .*final cannot be read \(SafetensorError.*"
-                                        r"delete .*final and rerun stage=train"):
+    with pytest.raises(
+        UserError,
+        match=r"the trained draft in .*final cannot be read \(SafetensorError.*"
+        r"delete .*final and rerun stage=train",
+    ):
         export.run(make_cfg(*RUN, "stage=export", run_dir=copy))
     assert not (copy / "export").exists()
 
 
 @pytest.mark.parametrize("key", ["num_attention_heads", "intermediate_size"])
-def test_verify_of_an_export_lacking_a_layer_key_is_a_problem_not_a_keyerror(exported_run, mutate, tmp_path, key):
+def test_verify_of_an_export_lacking_a_layer_key_is_a_problem_not_a_keyerror(
+    exported_run, mutate, tmp_path, key
+):
     run_dir, facts = exported_run
     bad = mutate(run_dir / "export/sglang", tmp_path / "sglang", config=lambda c: c.pop(key))
-    assert any(f"config.json lacks {key}: SGLang cannot build the draft layer" in p
-               for p in check_export(bad, "sglang", facts))
+    assert any(
+        f"config.json lacks {key}: SGLang cannot build the draft layer" in p
+        for p in check_export(bad, "sglang", facts)
+    )
 
 
 def test_verify_of_an_export_without_model_safetensors_is_one_line(exported_run, make_cfg, tmp_path, capsys):
@@ -107,7 +149,10 @@ def test_verify_of_an_export_without_model_safetensors_is_one_line(exported_run,
     folder = tmp_path / "sglang"
     shutil.copytree(run_dir / "export/sglang", folder)
     (folder / "model.safetensors").unlink()
-    assert any("model.safetensors cannot be read (FileNotFoundError" in p for p in check_export(folder, "sglang", facts))
+    assert any(
+        "model.safetensors cannot be read (FileNotFoundError" in p
+        for p in check_export(folder, "sglang", facts)
+    )
     with pytest.raises(UserError, match="1 of 1 export"):
         verify.run(make_cfg("stage=verify", f"export_dir={folder}"))
     assert "verify: sglang: model.safetensors cannot be read" in capsys.readouterr().out
@@ -127,17 +172,24 @@ def finished_copy(exported_run, tmp_path):
     return tmp_path / "run"
 
 
-def test_stage_all_with_another_draft_vocab_size_is_refused_before_anything_is_replaced(finished_copy, make_cfg):
+def test_stage_all_with_another_draft_vocab_size_is_refused_before_anything_is_replaced(
+    finished_copy, make_cfg
+):
     from pipeline.runner import run_stages
 
     before = {d: _tree(finished_copy / d) for d in ("vocab", "train", "export")}
-    with pytest.raises(UserError, match=r"vocab.draft_vocab_size=128 would rebuild .*vocab \(now 256 tokens\).*"
-                                        r"add train.resume=never"):
+    with pytest.raises(
+        UserError,
+        match=r"vocab.draft_vocab_size=128 would rebuild .*vocab \(now 256 tokens\).*"
+        r"add train.resume=never",
+    ):
         run_stages(make_cfg(*RUN, "vocab.draft_vocab_size=128", run_dir=finished_copy))
     assert {d: _tree(finished_copy / d) for d in before} == before
 
 
-def test_resuming_checkpoints_of_another_vocab_size_is_one_line_and_resume_never_retrains(finished_copy, make_cfg):
+def test_resuming_checkpoints_of_another_vocab_size_is_one_line_and_resume_never_retrains(
+    finished_copy, make_cfg
+):
     from pipeline.runner import run_stages
 
     run_stages(make_cfg(*RUN, "vocab.draft_vocab_size=128", "stage=vocab", run_dir=finished_copy))
@@ -145,6 +197,11 @@ def test_resuming_checkpoints_of_another_vocab_size_is_one_line_and_resume_never
     with pytest.raises(UserError, match="was trained on other inputs or another train config"):
         run_stages(make_cfg(*RUN, "vocab.draft_vocab_size=128", "stage=train", run_dir=finished_copy))
     assert sorted(p.name for p in (finished_copy / "train").glob("step_*")) == steps  # nothing deleted
-    run_stages(make_cfg(*RUN, "vocab.draft_vocab_size=128", "stage=train", "train.resume=never", run_dir=finished_copy))
+    run_stages(
+        make_cfg(
+            *RUN, "vocab.draft_vocab_size=128", "stage=train", "train.resume=never", run_dir=finished_copy
+        )
+    )
     from safetensors.torch import load_file
+
     assert load_file(str(finished_copy / "train/final/model.safetensors"))["d2t"].shape == (128,)

@@ -23,10 +23,13 @@ def test_the_generated_serve_lines_are_healthy(export_dir):
         assert diagnose(export_dir / engine, (export_dir / engine / "serve.sh").read_text()) == []
 
 
-@pytest.mark.parametrize("edit,finding", [
-    (lambda l: l.replace("EAGLE3", "EAGLE"), "not EAGLE3"),
-    (lambda l: l.replace("export/sglang", "export/old"), "is not this export"),
-])
+@pytest.mark.parametrize(
+    "edit,finding",
+    [
+        (lambda line: line.replace("EAGLE3", "EAGLE"), "not EAGLE3"),
+        (lambda line: line.replace("export/sglang", "export/old"), "is not this export"),
+    ],
+)
 def test_sglang_launch_mistakes_are_flagged(export_dir, edit, finding):
     line = edit((export_dir / "sglang" / "serve.sh").read_text())
     assert any(finding in f for f in diagnose(export_dir / "sglang", line))
@@ -40,42 +43,92 @@ def test_vllm_layout_given_to_sglang_is_flagged(export_dir):
 
 def test_vllm_eagle_instead_of_eagle3_and_missing_aux_ids_are_flagged(export_dir, tmp_path):
     import shutil
+
     bad = tmp_path / "vllm"
     shutil.copytree(export_dir / "vllm", bad)
     c = json.loads((bad / "config.json").read_text())
     c.pop("eagle_aux_hidden_state_layer_ids")
     (bad / "config.json").write_text(json.dumps(c))
-    line = (export_dir / "vllm" / "serve.sh").read_text().replace('"eagle3"', '"eagle"').replace(str(export_dir / "vllm"), str(bad))
+    line = (
+        (export_dir / "vllm" / "serve.sh")
+        .read_text()
+        .replace('"eagle3"', '"eagle"')
+        .replace(str(export_dir / "vllm"), str(bad))
+    )
     findings = diagnose(bad, line)
     assert any("not EAGLE3" in f for f in findings) and any("aux layer ids missing" in f for f in findings)
 
 
 def test_doctor_cli_exits_2_with_the_findings(export_dir, cache_dir):
     line = (export_dir / "sglang" / "serve.sh").read_text().replace("EAGLE3", "EAGLE")
-    r = subprocess.run([sys.executable, "-m", "pipeline", "stage=doctor", f"cache_dir={cache_dir}",
-                        f"export_dir={export_dir / 'sglang'}", f"launch='{line.strip()}'", f"run_dir={export_dir}/doc"],
-                       cwd=ROOT, capture_output=True, text=True)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pipeline",
+            "stage=doctor",
+            f"cache_dir={cache_dir}",
+            f"export_dir={export_dir / 'sglang'}",
+            f"launch='{line.strip()}'",
+            f"run_dir={export_dir}/doc",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
     assert r.returncode == 2 and "doctor: speculative algorithm is 'EAGLE'" in r.stdout, r.stdout + r.stderr
 
 
 def test_verify_and_serve_commands_name_the_engine_versions_and_print_the_launch_lines(export_dir, cache_dir):
     run_dir = export_dir.parent
-    r = subprocess.run([sys.executable, "-m", "pipeline", "verify", f"cache_dir={cache_dir}", f"run_dir={run_dir}"],
-                       cwd=ROOT, capture_output=True, text=True)
+    r = subprocess.run(
+        [sys.executable, "-m", "pipeline", "verify", f"cache_dir={cache_dir}", f"run_dir={run_dir}"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     assert "loads completely into sglang 0.5.23's own LlamaForCausalLMEagle3" in r.stdout
     assert "loads completely into vllm 0.33.0's own Eagle3LlamaForCausalLM" in r.stdout
-    r = subprocess.run([sys.executable, "-m", "pipeline", "serve", "engine=sglang", f"cache_dir={cache_dir}",
-                        f"run_dir={run_dir}"], cwd=ROOT, capture_output=True, text=True)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pipeline",
+            "serve",
+            "engine=sglang",
+            f"cache_dir={cache_dir}",
+            f"run_dir={run_dir}",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
     assert r.returncode == 0 and "--speculative-algorithm EAGLE3" in r.stdout, r.stdout + r.stderr
 
 
 def test_verify_of_a_broken_export_exits_2_naming_the_problem(export_dir, cache_dir, mutate, tmp_path):
     import torch
-    bad = mutate(export_dir / "sglang", tmp_path / "sglang",
-                 tensors=lambda t: {**t, "fc.weight": torch.zeros_like(t["fc.weight"])})
-    r = subprocess.run([sys.executable, "-m", "pipeline", "verify", f"export_dir={bad}", f"cache_dir={cache_dir}",
-                        f"run_dir={tmp_path}"], cwd=ROOT, capture_output=True, text=True)
+
+    bad = mutate(
+        export_dir / "sglang",
+        tmp_path / "sglang",
+        tensors=lambda t: {**t, "fc.weight": torch.zeros_like(t["fc.weight"])},
+    )
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pipeline",
+            "verify",
+            f"export_dir={bad}",
+            f"cache_dir={cache_dir}",
+            f"run_dir={tmp_path}",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
     assert r.returncode == 2 and "fc.weight is constant" in r.stdout, r.stdout + r.stderr
     assert "eaglepipe: error: 1 of 1 export(s) failed verification" in r.stderr
 

@@ -4,7 +4,6 @@ import json
 from pathlib import Path
 
 import pytest
-
 from exported_forward import exported_minus_speculators_logits
 
 from pipeline.runner import run_stages
@@ -16,15 +15,25 @@ pytestmark = pytest.mark.slow
 def evaluated(make_cfg, tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("eval_run")
     # the target's own greedy answers (first 3 turns of 64 chats), 10 epochs: val full_acc_0 ~0.44
-    cfg = make_cfg("+experiment=tiny", "prepare.regenerate=true", "prepare.max_new_tokens=24",
-                   "prepare.max_assistant_turns=3", "data.limit=64", "train.max_steps=null", "train.epochs=10",
-                   "eval.num_prompts=10", "eval.max_new_tokens=24", run_dir=run_dir)
+    cfg = make_cfg(
+        "+experiment=tiny",
+        "prepare.regenerate=true",
+        "prepare.max_new_tokens=24",
+        "prepare.max_assistant_turns=3",
+        "data.limit=64",
+        "train.max_steps=null",
+        "train.epochs=10",
+        "eval.num_prompts=10",
+        "eval.max_new_tokens=24",
+        run_dir=run_dir,
+    )
     run_stages(cfg)
     return cfg, run_dir
 
 
 def _target_and_draft(cfg, run_dir: Path):
-    """(store, tokenizer, fp32 target on CPU, its aux capture, the exported draft): what the offline bench runs."""
+    """(store, tokenizer, fp32 target on CPU, its aux capture, the exported draft): what the offline bench
+    runs."""
     import torch
     from safetensors.torch import load_file
 
@@ -37,8 +46,11 @@ def _target_and_draft(cfg, run_dir: Path):
     folder = Path(store.facts["target_path"])
     model = targets.load_model(folder, cfg.target, "cpu", torch.float32, "sdpa")
     export = run_dir / "export" / "sglang"
-    dr = offline.ExportedDraft(load_file(str(export / "model.safetensors")), json.loads((export / "config.json").read_text()),
-                               model.get_input_embeddings().weight.detach())
+    dr = offline.ExportedDraft(
+        load_file(str(export / "model.safetensors")),
+        json.loads((export / "config.json").read_text()),
+        model.get_input_embeddings().weight.detach(),
+    )
     return store, targets.load_tokenizer(folder, cfg.target), model, Capture(model, store.aux_layer_ids), dr
 
 
@@ -73,8 +85,16 @@ def test_batched_speculation_is_the_serial_reference_row_by_row(evaluated):
     prompts = evaluate.heldout_prompts(cfg, store, 6, cfg.eval.prompt_tokens)
     n, eos = cfg.eval.max_new_tokens, tok.eos_token_id
     assert len({len(p) for p in prompts}) > 1  # rows of different lengths: the padding is exercised
-    generate = [model.generate(torch.tensor([p]), max_new_tokens=n, do_sample=False, eos_token_id=eos,
-                               pad_token_id=tok.pad_token_id)[0, len(p):].tolist() for p in prompts]
+    generate = [
+        model.generate(
+            torch.tensor([p]),
+            max_new_tokens=n,
+            do_sample=False,
+            eos_token_id=eos,
+            pad_token_id=tok.pad_token_id,
+        )[0, len(p) :].tolist()
+        for p in prompts
+    ]
     assert batched.greedy(model, capture, prompts, n, eos) == generate
     accepted, serial = 0, {}
     for k in (1, 2, 3):
@@ -84,20 +104,25 @@ def test_batched_speculation_is_the_serial_reference_row_by_row(evaluated):
             assert (gen, rounds) == serial[i, k] and gen == ref
             accepted += sum(rounds)
     assert accepted > 0
-    # several draft lengths in one batch (evaluate runs every k of a chunk at once): each row is still the serial
+    # several draft lengths in one batch (evaluate runs every k of a chunk at once): each row is still the
+    # serial
     # reference at its own k; a shorter row's extra proposals and verify slots change nothing
     m = len(prompts)  # up to 6: the report half of the held-out samples (prompt_sets.selection_and_report)
     ks = [1, 3, 2, 3, 1, 2, 2, 1, 3, 1, 2, 3][: 2 * m]
     rows = batched.speculate(model, capture, dr, prompts + prompts, n, ks, eos)
     assert rows == [serial[i % m, k] for i, k in enumerate(ks)]
-    assert {k: [r for _, rs in v for r in rs] for k, v in batched.by_k(model, capture, dr, prompts, n, [1, 3], eos, 4).items()} \
-        == {k: [r for i in range(m) for r in serial[i, k][1]] for k in (1, 3)}
+    assert {
+        k: [r for _, rs in v for r in rs]
+        for k, v in batched.by_k(model, capture, dr, prompts, n, [1, 3], eos, 4).items()
+    } == {k: [r for i in range(m) for r in serial[i, k][1]] for k in (1, 3)}
 
 
 def test_k1_speculation_asks_the_teacher_forced_questions_at_the_round_starts(evaluated):
     """Step-0 accuracy teacher-forced along the target's continuation (what training's acc_0 measures) and the
-    first-position acceptance at k = 1 are one question at different positions: each k = 1 round's accept/reject
-    is the teacher-forced hit at the position where the round starts (the next round starts 2 tokens on after an
+    first-position acceptance at k = 1 are one question at different positions: each k = 1 round's
+    accept/reject
+    is the teacher-forced hit at the position where the round starts (the next round starts 2 tokens on after
+    an
     accept, 1 after a reject). acceptance.json reports both."""
     import torch
 
@@ -122,5 +147,8 @@ def test_k1_speculation_asks_the_teacher_forced_questions_at_the_round_starts(ev
     report = json.loads((run_dir / "eval" / "acceptance.json").read_text())
     tf = report["teacher_forced_acc_0"]
     assert 0 < tf["trained"] < 1 and tf["tokens"] > 0 and 0 < tf["training_val_full_acc_0"] < 1
-    assert tf["untrained"] < tf["trained"] and tf["accept_first_position_k1"] == report["trained"]["1"]["accept_per_position"][0]
+    assert (
+        tf["untrained"] < tf["trained"]
+        and tf["accept_first_position_k1"] == report["trained"]["1"]["accept_per_position"][0]
+    )
     assert 0 <= tf["after_miss"] <= 1 and 0 <= tf["after_hit"] <= 1

@@ -4,9 +4,9 @@ import json
 import re
 
 import pytest
+from mutations import absolute_d2t, nan_norm, prefix_keys, single_layer_fc, zero_fc
 from safetensors.torch import load_file
 
-from mutations import absolute_d2t, nan_norm, prefix_keys, single_layer_fc, zero_fc
 from pipeline.tools.verify import check_export, engine_problems, engine_report
 
 pytestmark = pytest.mark.slow
@@ -25,21 +25,39 @@ def test_exports_pass_their_checks_with_engine_numbering_and_layout(exported):
     assert sg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == facts["aux_layer_ids"] == [1, 3, 4]
     assert vl["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]  # vLLM id = eaglepipe id + 1
     sg_keys = load_file(str(run_dir / "export" / "sglang" / "model.safetensors")).keys()
-    assert any(k.startswith("midlayer.") for k in sg_keys) and not any(k.startswith("layers.") for k in sg_keys)
+    assert any(k.startswith("midlayer.") for k in sg_keys) and not any(
+        k.startswith("layers.") for k in sg_keys
+    )
     assert "embed_tokens.weight" not in sg_keys  # SGLang always takes the target's embedding for EAGLE3
     for engine in ("sglang", "vllm"):
         assert check_export(run_dir / "export" / engine, engine, facts) == []
         assert "EAGLE3" in (run_dir / "export" / engine / "serve.sh").read_text().upper()
         serve = json.loads((run_dir / "export" / engine / "export_manifest.json").read_text())["serve"]
         assert (serve["num_steps"], serve["topk"], serve["num_draft_tokens"], serve["chosen_by"]) == (
-            3, 1, 4, {"by": "config"})  # serve.sh's settings, and that export.serve chose them (tune-serve: measurement)
+            3,
+            1,
+            4,
+            {"by": "config"},
+        )  # serve.sh's settings, and that export.serve chose them (tune-serve: measurement)
 
 
 MUTATIONS = [
     ("sglang", dict(tensors=lambda t: prefix_keys(t, "draft_model.")), "silently drop"),
-    ("sglang", dict(config=lambda c: c["eagle_config"].pop("eagle_aux_hidden_state_layer_ids")), "aux layer ids missing"),
-    ("sglang", dict(config=lambda c: c["eagle_config"].update(eagle_aux_hidden_state_layer_ids=[2, 4, 5])), r"aux layer ids \[2, 4, 5\] != \[1, 3, 4\]"),
-    ("vllm", dict(config=lambda c: c.update(eagle_aux_hidden_state_layer_ids=[1, 3, 4])), r"aux layer ids \[1, 3, 4\] != \[2, 4, 5\]"),
+    (
+        "sglang",
+        dict(config=lambda c: c["eagle_config"].pop("eagle_aux_hidden_state_layer_ids")),
+        "aux layer ids missing",
+    ),
+    (
+        "sglang",
+        dict(config=lambda c: c["eagle_config"].update(eagle_aux_hidden_state_layer_ids=[2, 4, 5])),
+        r"aux layer ids \[2, 4, 5\] != \[1, 3, 4\]",
+    ),
+    (
+        "vllm",
+        dict(config=lambda c: c.update(eagle_aux_hidden_state_layer_ids=[1, 3, 4])),
+        r"aux layer ids \[1, 3, 4\] != \[2, 4, 5\]",
+    ),
     ("sglang", dict(tensors=absolute_d2t), r"absolute target ids|i \+ d2t\[i\] leaves"),
     ("vllm", dict(tensors=absolute_d2t), r"absolute target ids|i \+ d2t\[i\] leaves"),
     ("sglang", dict(tensors=zero_fc), "fc.weight is constant"),
@@ -61,7 +79,10 @@ def test_each_injected_failure_is_caught(exported, mutate, tmp_path, engine, mut
 def test_engine_own_class_loads_the_export_completely(exported, engine):
     run_dir, facts = exported
     manifest = json.loads((run_dir / "export" / engine / "export_manifest.json").read_text())
-    version, cls = {"sglang": ("0.5.23", "LlamaForCausalLMEagle3"), "vllm": ("0.33.0", "Eagle3LlamaForCausalLM")}[engine]
+    version, cls = {
+        "sglang": ("0.5.23", "LlamaForCausalLMEagle3"),
+        "vllm": ("0.33.0", "Eagle3LlamaForCausalLM"),
+    }[engine]
     assert manifest["verified_by"] == {"engine": engine, "engine_version": version, "class": cls}
     report = engine_report(run_dir / "export" / engine, engine, facts["target_path"])
     assert report["dropped"] == [] and report["unwritten"] == [] and report["partly_written"] == []
@@ -73,14 +94,25 @@ def test_engine_own_class_loads_the_export_completely(exported, engine):
     assert engine_problems(report, report["aux_layer_ids_read"]) == []
 
 
-@pytest.mark.parametrize("engine,mutation,message", [
-    ("sglang", dict(tensors=lambda t: prefix_keys(t, "draft_model.")), "silently dropped 13 tensors"),
-    ("sglang", dict(tensors=single_layer_fc), "raised while loading"),
-    ("vllm", dict(tensors=lambda t: prefix_keys(t, "draft_model.")), "raised while loading"),
-    ("vllm", dict(tensors=absolute_d2t), "draft->target ids"),
-], ids=["sglang-draft_model-prefix", "sglang-single-layer-fc", "vllm-draft_model-prefix", "vllm-absolute-d2t"])
+@pytest.mark.parametrize(
+    "engine,mutation,message",
+    [
+        ("sglang", dict(tensors=lambda t: prefix_keys(t, "draft_model.")), "silently dropped 13 tensors"),
+        ("sglang", dict(tensors=single_layer_fc), "raised while loading"),
+        ("vllm", dict(tensors=lambda t: prefix_keys(t, "draft_model.")), "raised while loading"),
+        ("vllm", dict(tensors=absolute_d2t), "draft->target ids"),
+    ],
+    ids=[
+        "sglang-draft_model-prefix",
+        "sglang-single-layer-fc",
+        "vllm-draft_model-prefix",
+        "vllm-absolute-d2t",
+    ],
+)
 def test_engine_own_class_catches_injected_failures(exported, mutate, tmp_path, engine, mutation, message):
     run_dir, facts = exported
-    report = engine_report(mutate(run_dir / "export" / engine, tmp_path / engine, **mutation), engine, facts["target_path"])
+    report = engine_report(
+        mutate(run_dir / "export" / engine, tmp_path / engine, **mutation), engine, facts["target_path"]
+    )
     problems = engine_problems(report)
     assert any(message in p for p in problems), problems

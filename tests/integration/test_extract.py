@@ -12,11 +12,11 @@ import pytest
 import torch
 import zarr
 
-from pipeline.stages import extract, prepare
-from pipeline.models import targets
 from pipeline.errors import UserError
 from pipeline.formats import prepared
 from pipeline.formats.feature_store import FeatureStore
+from pipeline.models import targets
+from pipeline.stages import extract, prepare
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
@@ -26,8 +26,12 @@ def reference_features(cfg, store: FeatureStore):
     """output_hidden_states of the full CausalLM over the same padded batches: aux = hidden_states[k+1];
     last = hidden_states[-1] of a copy whose final norm is replaced by Identity (HF's is post-norm)."""
     folder = targets.resolve(cfg.target, cfg.cache_dir)
-    model = targets.load_model(folder, cfg.target, torch.device("cpu"), torch.float32, cfg.extract.attn_implementation)
-    prenorm = targets.load_model(folder, cfg.target, torch.device("cpu"), torch.float32, cfg.extract.attn_implementation)
+    model = targets.load_model(
+        folder, cfg.target, torch.device("cpu"), torch.float32, cfg.extract.attn_implementation
+    )
+    prenorm = targets.load_model(
+        folder, cfg.target, torch.device("cpu"), torch.float32, cfg.extract.attn_implementation
+    )
     prenorm.model.norm = torch.nn.Identity()
     aux_ids = store.aux_layer_ids
     lengths = store.sample_lengths()
@@ -46,17 +50,35 @@ def reference_features(cfg, store: FeatureStore):
                 hs_pre = prenorm(input_ids=ids, attention_mask=attn, output_hidden_states=True).hidden_states
             for r, s in enumerate(g):
                 n = lengths[s]
-                last_id = len(hs) - 2  # HF hidden_states[L] is post-norm: for aux id L-1 the reference is the pre-norm one
-                out[s] = (torch.cat([(hs_pre if k == last_id else hs)[k + 1][r, :n] for k in aux_ids], -1).bfloat16(), hs_pre[-1][r, :n].bfloat16(),
-                          hs[-1][r, :n].bfloat16())
+                last_id = (
+                    len(hs) - 2
+                )  # HF hidden_states[L] is post-norm: for aux id L-1 the reference is the pre-norm one
+                out[s] = (
+                    torch.cat(
+                        [(hs_pre if k == last_id else hs)[k + 1][r, :n] for k in aux_ids], -1
+                    ).bfloat16(),
+                    hs_pre[-1][r, :n].bfloat16(),
+                    hs[-1][r, :n].bfloat16(),
+                )
     return out
 
 
-@pytest.mark.parametrize("target,overrides", [
-    ("tiny", ["data.limit=12", "extract.shard_tokens=3000", "extract.batch_tokens=1500"]),
-    ("smollm2", ["data.limit=4", "prepare.max_len=128", "extract.shard_tokens=200", "extract.batch_tokens=256",
-                 "extract.aux_layers=[0,14,29]"]),
-])
+@pytest.mark.parametrize(
+    "target,overrides",
+    [
+        ("tiny", ["data.limit=12", "extract.shard_tokens=3000", "extract.batch_tokens=1500"]),
+        (
+            "smollm2",
+            [
+                "data.limit=4",
+                "prepare.max_len=128",
+                "extract.shard_tokens=200",
+                "extract.batch_tokens=256",
+                "extract.aux_layers=[0,14,29]",
+            ],
+        ),
+    ],
+)
 def test_captured_features_equal_output_hidden_states_bit_for_bit(make_cfg, tmp_path, target, overrides):
     cfg = make_cfg(f"target={target}", *overrides, run_dir=tmp_path)
     prepare.run(cfg)
@@ -78,24 +100,45 @@ def _arrays(root: Path) -> dict:
     out = {}
     for shard in sorted(root.glob("shard-*.zarr")):
         g = zarr.open_group(str(shard), mode="r")
-        out[shard.name] = ({k: g[k][:] for k in ("input_ids", "loss_mask", "offsets", "aux_hidden", "last_hidden")},
-                           dict(g.attrs))
+        out[shard.name] = (
+            {k: g[k][:] for k in ("input_ids", "loss_mask", "offsets", "aux_hidden", "last_hidden")},
+            dict(g.attrs),
+        )
     return out
 
 
 def _cli(run_dir, cache_dir, *extra):
-    return [sys.executable, "-m", "pipeline", "stage=extract", "target=tiny", f"run_dir={run_dir}",
-            f"cache_dir={cache_dir}", "data.limit=48", "extract.shard_tokens=2500", "extract.batch_tokens=300", *extra]
+    return [
+        sys.executable,
+        "-m",
+        "pipeline",
+        "stage=extract",
+        "target=tiny",
+        f"run_dir={run_dir}",
+        f"cache_dir={cache_dir}",
+        "data.limit=48",
+        "extract.shard_tokens=2500",
+        "extract.batch_tokens=300",
+        *extra,
+    ]
 
 
 def test_extract_killed_with_sigkill_and_rerun_equals_an_uninterrupted_run(make_cfg, tmp_path, cache_dir):
     for d in ("a", "b"):
         prepare.run(make_cfg("target=tiny", "data.limit=48", run_dir=tmp_path / d))
-    extract.run(make_cfg("target=tiny", "data.limit=48", "extract.shard_tokens=2500", "extract.batch_tokens=300",
-                         run_dir=tmp_path / "a"))
+    extract.run(
+        make_cfg(
+            "target=tiny",
+            "data.limit=48",
+            "extract.shard_tokens=2500",
+            "extract.batch_tokens=300",
+            run_dir=tmp_path / "a",
+        )
+    )
     features = tmp_path / "b" / "features"
-    proc = subprocess.Popen(_cli(tmp_path / "b", cache_dir), cwd=ROOT, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        _cli(tmp_path / "b", cache_dir), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
     deadline = time.time() + 120
     while time.time() < deadline and proc.poll() is None:  # kill mid-shard, after >= 1 committed shard
         manifest = features / "manifest.json"
@@ -106,7 +149,9 @@ def test_extract_killed_with_sigkill_and_rerun_equals_an_uninterrupted_run(make_
     proc.wait()
     assert proc.returncode == -signal.SIGKILL, "extract finished before it could be killed: make it longer"
     killed = json.loads((features / "manifest.json").read_text())
-    assert not killed.get("complete") and 0 < len(killed["shards"]) < len(list((tmp_path / "a" / "features").glob("shard-*")))
+    assert not killed.get("complete") and 0 < len(killed["shards"]) < len(
+        list((tmp_path / "a" / "features").glob("shard-*"))
+    )
     done = subprocess.run(_cli(tmp_path / "b", cache_dir), cwd=ROOT, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-2000:]
     assert f"({len(killed['shards'])} already committed)" in done.stdout + done.stderr
@@ -123,10 +168,19 @@ def test_features_from_other_aux_layers_are_refused_not_mixed(make_cfg, tmp_path
     cfg = make_cfg("target=tiny", "data.limit=4", run_dir=tmp_path)
     prepare.run(cfg)
     extract.run(cfg)
-    with pytest.raises(UserError, match=r"aux_layer_ids: store=\[1, 3, 4\] asked=\[0, 2, 5\].*extract.overwrite=true"):
+    with pytest.raises(
+        UserError, match=r"aux_layer_ids: store=\[1, 3, 4\] asked=\[0, 2, 5\].*extract.overwrite=true"
+    ):
         extract.run(make_cfg("target=tiny", "data.limit=4", "extract.aux_layers=[0,2,5]", run_dir=tmp_path))
-    extract.run(make_cfg("target=tiny", "data.limit=4", "extract.aux_layers=[0,2,5]", "extract.overwrite=true",
-                         run_dir=tmp_path))
+    extract.run(
+        make_cfg(
+            "target=tiny",
+            "data.limit=4",
+            "extract.aux_layers=[0,2,5]",
+            "extract.overwrite=true",
+            run_dir=tmp_path,
+        )
+    )
     assert FeatureStore(tmp_path / "features").aux_layer_ids == [0, 2, 5]
 
 

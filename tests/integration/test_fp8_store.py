@@ -1,5 +1,6 @@
 """extract.store_dtype=fp8_e4m3 (issue #16 item 2): the same captured states as the bf16 store, within e4m3's
-rounding per token and layer, about half the bytes; a store of its own (facts, fingerprint); training reads it."""
+rounding per token and layer, about half the bytes; a store of its own (facts, fingerprint); training reads
+it."""
 
 import shutil
 
@@ -39,14 +40,18 @@ def test_fp8_states_are_the_bf16_states_within_e4m3_rounding_per_token_and_layer
             ref, got = (t.float().reshape(t.shape[0], groups, -1) for t in (x[key], y[key]))
             err = ((got - ref).norm(dim=-1) / ref.norm(dim=-1)).max()
             worst = max(worst, float(err))
-    assert 2 ** -9 < worst <= 2 ** -4 + 2 ** -9, worst
+    assert 2**-9 < worst <= 2**-4 + 2**-9, worst
     assert _bytes(stores / "fp8" / "features") < 0.7 * _bytes(stores / "bf16" / "features")
 
 
 def test_the_fp8_store_has_its_own_fingerprint_and_trains(make_cfg, stores):
-    fp = {d: extract.fingerprint(make_cfg(*COMMON, *extra, run_dir=stores / d))
-          for d, extra in (("bf16", []), ("fp8", ["extract.store_dtype=fp8_e4m3"]))}
+    fp = {
+        d: extract.fingerprint(make_cfg(*COMMON, *extra, run_dir=stores / d))
+        for d, extra in (("bf16", []), ("fp8", ["extract.store_dtype=fp8_e4m3"]))
+    }
     assert fp["bf16"] != fp["fp8"]
     for stage in ("vocab", "train"):
-        run_stages(make_cfg(*COMMON, "extract.store_dtype=fp8_e4m3", f"stage={stage}", run_dir=stores / "fp8"))
+        run_stages(
+            make_cfg(*COMMON, "extract.store_dtype=fp8_e4m3", f"stage={stage}", run_dir=stores / "fp8")
+        )
     assert (stores / "fp8" / "train" / "final" / "model.safetensors").is_file()

@@ -1,9 +1,13 @@
 """Cluster jobs through Hydra's submitit launcher (issue #15 item 5), run here with submitit's LocalExecutor
-(`hydra/launcher=submitit_local`: the code path of `hydra/launcher=slurm` on one machine, its requeue included).
+(`hydra/launcher=submitit_local`: the code path of `hydra/launcher=slurm` on one machine, its requeue
+included).
 
-One 2-job sweep (`--multirun train.log_every_steps=1,2`, which changes what is logged, not the weights): each job
-trains in its own run dir (${run_dir}/N). Job 0 gets SLURM's warning signal (SIGUSR2) mid-run, as SLURM sends it
-before a time limit or a preemption: it writes a checkpoint at the next optimizer step, submitit requeues it, and
+One 2-job sweep (`--multirun train.log_every_steps=1,2`, which changes what is logged, not the weights): each
+job
+trains in its own run dir (${run_dir}/N). Job 0 gets SLURM's warning signal (SIGUSR2) mid-run, as SLURM sends
+it
+before a time limit or a preemption: it writes a checkpoint at the next optimizer step, submitit requeues it,
+and
 the requeued job resumes from that checkpoint. Its final weights equal job 1's, which ran uninterrupted."""
 
 import json
@@ -24,16 +28,23 @@ from pipeline.runner import run_stages
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
-COMMON = ["+experiment=tiny", "data.limit=40", "train.max_steps=30", "train.save_every_steps=1000",
-          "train.val_every_steps=1000", "train.device=cpu"]
+COMMON = [
+    "+experiment=tiny",
+    "data.limit=40",
+    "train.max_steps=30",
+    "train.save_every_steps=1000",
+    "train.val_every_steps=1000",
+    "train.device=cpu",
+]
 
 
 def _task_pid(launcher: subprocess.Popen, job_dir: Path) -> int | None:
     """The submitit task process (`python -m submitit.core._submit`) that writes job_dir's log."""
     for proc in psutil.Process(launcher.pid).children(recursive=True):
         try:
-            if "submitit.core._submit" in " ".join(proc.cmdline()) and \
-                    any(Path(f.path).parent == job_dir for f in proc.open_files()):
+            if "submitit.core._submit" in " ".join(proc.cmdline()) and any(
+                Path(f.path).parent == job_dir for f in proc.open_files()
+            ):
                 return proc.pid
         except psutil.Error:
             continue
@@ -59,10 +70,24 @@ def sweep(make_cfg, tmp_path_factory, cache_dir):
         for part in ("prepared", "features", "vocab"):
             shutil.copytree(store / part, base / n / part)
     eaglepipe = str(Path(sys.executable).parent / "eaglepipe")  # the console script users type
-    cmd = [eaglepipe, "-m", "hydra/launcher=submitit_local", "stage=train", *COMMON,
-           "train.log_every_steps=1,2", f"run_dir={base}", f"cache_dir={cache_dir}"]
-    launcher = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True)
+    cmd = [
+        eaglepipe,
+        "-m",
+        "hydra/launcher=submitit_local",
+        "stage=train",
+        *COMMON,
+        "train.log_every_steps=1,2",
+        f"run_dir={base}",
+        f"cache_dir={cache_dir}",
+    ]
+    launcher = subprocess.Popen(
+        cmd,
+        cwd=ROOT,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     signalled, deadline = None, time.time() + 300
     while signalled is None and time.time() < deadline and launcher.poll() is None:
         steps = _train_steps(base / "0")
@@ -75,7 +100,13 @@ def sweep(make_cfg, tmp_path_factory, cache_dir):
     out, err = launcher.communicate(timeout=600)
     assert signalled is not None, f"job 0 was not signalled mid-run: {err[-3000:]}"
     logs = "".join(p.read_text() for p in (base / ".submitit").rglob("*_log.*"))
-    return {"base": base, "rc": launcher.returncode, "stderr": err, "logs": logs, "signalled_after": signalled}
+    return {
+        "base": base,
+        "rc": launcher.returncode,
+        "stderr": err,
+        "logs": logs,
+        "signalled_after": signalled,
+    }
 
 
 def test_a_two_job_sweep_runs_each_job_in_its_own_run_dir(sweep):

@@ -5,12 +5,13 @@ The failures (README "Why"): (1) a key the engine's loader skips without a word 
 captures its default layers; (3) the server started with EAGLE, not EAGLE3, so no aux state reaches fc;
 (4) d2t turned into absolute ids; (5) fc zeroed (a "loaded" weight that carries nothing); (6) an fc of
 single-layer width (the draft fed one 576-dim state, not 3 concatenated). verify = engine-free checks
-plus the engine's OWN class, loader and config resolution (pipeline/tools/verify.py); doctor = pipeline/tools/doctor.py.
+plus the engine's OWN class, loader and config resolution (pipeline/tools/verify.py); doctor =
+pipeline/tools/doctor.py.
 """
 
 import pytest
-
 from mutations import absolute_d2t, pre_rename_keys, prefix_keys, single_layer_fc, zero_fc
+
 from pipeline.tools.doctor import diagnose
 from pipeline.tools.verify import check_export, engine_problems, engine_report
 
@@ -30,8 +31,9 @@ def good(exported_run):
 def caught(folder, facts, launch=None, algorithm="EAGLE3"):
     """Findings of verify (engine-free, then SGLang's own class whatever the first found) and doctor."""
     found = check_export(folder, "sglang", facts)
-    found += engine_problems(engine_report(folder, "sglang", facts["target_path"], algorithm=algorithm),
-                             facts["aux_layer_ids"])
+    found += engine_problems(
+        engine_report(folder, "sglang", facts["target_path"], algorithm=algorithm), facts["aux_layer_ids"]
+    )
     if launch:
         found += diagnose(folder, launch)
     return found
@@ -39,8 +41,12 @@ def caught(folder, facts, launch=None, algorithm="EAGLE3"):
 
 def test_1a_draft_model_prefix_is_dropped_silently_by_sglang_and_caught(good, mutate, tmp_path):
     folder, facts = good
-    found = caught(mutate(folder, tmp_path / "sglang", tensors=lambda t: prefix_keys(t, "draft_model.")), facts)
-    assert any("LlamaForCausalLMEagle3 (sglang 0.5.23) silently dropped 13 tensors" in f for f in found), found
+    found = caught(
+        mutate(folder, tmp_path / "sglang", tensors=lambda t: prefix_keys(t, "draft_model.")), facts
+    )
+    assert any("LlamaForCausalLMEagle3 (sglang 0.5.23) silently dropped 13 tensors" in f for f in found), (
+        found
+    )
     assert any("would silently drop" in f for f in found), found
 
 
@@ -50,7 +56,9 @@ def test_1b_layers0_for_an_sglang_before_the_rename_is_caught(good, mutate, tmp_
     assert any("SGLang before the model.layers.0 rename" in f for f in check_export(bad, "sglang", facts))
     # and doctor: the vLLM layout (layers.0.*) handed to an SGLang launch line
     line = (folder / "serve.sh").read_text().replace("export/sglang", "export/vllm")
-    assert any("vllm's layout but the line starts sglang" in f for f in diagnose(folder.parent / "vllm", line))
+    assert any(
+        "vllm's layout but the line starts sglang" in f for f in diagnose(folder.parent / "vllm", line)
+    )
 
 
 def test_2_aux_ids_removed_is_caught_by_config_check_and_by_what_sglang_reads(good, mutate, tmp_path):

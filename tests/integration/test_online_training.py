@@ -1,7 +1,9 @@
-"""train.features=online (issue #16 item 1): the training job runs the frozen target on each pack with extract's
+"""train.features=online (issue #16 item 1): the training job runs the frozen target on each pack with
+extract's
 capture code and trains exactly as from the feature store; no features/ is written; resume is exact.
 
-One prepared set (tiny, fp32 on CPU), trained twice over the same packs: offline (extract -> vocab -> train) and
+One prepared set (tiny, fp32 on CPU), trained twice over the same packs: offline (extract -> vocab -> train)
+and
 online (vocab -> train, no extract); then the online run resumed from its step-4 checkpoint."""
 
 import json
@@ -15,8 +17,16 @@ from pipeline.runner import run_stages
 from pipeline.summary import rows
 
 pytestmark = pytest.mark.slow
-COMMON = ["+experiment=tiny", "data.limit=32", "train.max_steps=8", "train.log_every_steps=1",
-          "train.val_every_steps=4", "train.save_every_steps=4", "train.keep_last=5", "train.device=cpu"]
+COMMON = [
+    "+experiment=tiny",
+    "data.limit=32",
+    "train.max_steps=8",
+    "train.log_every_steps=1",
+    "train.val_every_steps=4",
+    "train.save_every_steps=4",
+    "train.keep_last=5",
+    "train.device=cpu",
+]
 ONLINE = "train.features=online"
 
 
@@ -51,6 +61,7 @@ def test_online_training_writes_no_feature_store_and_counts_the_same_vocabulary(
     a, b = (json.loads((runs[k] / "vocab" / "report.json").read_text()) for k in ("offline", "online"))
     assert a["supervised_tokens"] == b["supervised_tokens"] and a["top_tokens"] == b["top_tokens"]
     from pipeline.formats import vocab_map
+
     (d2t_a, t2d_a, _), (d2t_b, t2d_b, _) = (vocab_map.load(runs[k] / "vocab") for k in ("offline", "online"))
     assert (d2t_a == d2t_b).all() and (t2d_a == t2d_b).all()
 
@@ -77,4 +88,6 @@ def test_online_is_said_in_the_summary_and_extract_alone_is_refused(runs, make_c
     with pytest.raises(UserError, match="train.features=online writes no feature store"):
         run_stages(make_cfg(*COMMON, ONLINE, "stage=extract", run_dir=runs["online"]))
     with pytest.raises(UserError, match="captures with the hf backend in bf16"):
-        run_stages(make_cfg(*COMMON, ONLINE, "extract.store_dtype=fp8_e4m3", "stage=train", run_dir=runs["online"]))
+        run_stages(
+            make_cfg(*COMMON, ONLINE, "extract.store_dtype=fp8_e4m3", "stage=train", run_dir=runs["online"])
+        )

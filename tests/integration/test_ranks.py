@@ -1,4 +1,5 @@
-"""Training on several processes (issue #15): `accelerate launch --cpu --num_processes 2` really starts 2 ranks
+"""Training on several processes (issue #15): `accelerate launch --cpu --num_processes 2` really starts 2
+ranks
 (accelerate's --cpu alone starts one: eaglepipe relaunches through torch.distributed.run, gloo); 2 ranks x 1
 pack per step equal 1 rank x grad_accum 2 on the same packs; a checkpoint resumes on the other number of ranks
 over exactly the packs not yet trained (its data position is global), ending at the same weights.
@@ -9,7 +10,8 @@ One store (tiny); every run is its own process on its own run dir with that stor
   A: 2 ranks, grad_accum 1    C: 1 rank, grad_accum 2     (uninterrupted, checkpoints every 2 steps)
   B: A's step-4 checkpoint resumed on 1 rank, grad_accum 2    D: C's step-4 checkpoint resumed on 2 ranks
   E: as A under FSDP          F: E's step-4 checkpoint resumed under FSDP
-  H: 2 ranks x grad_accum 2 under FSDP    I: H's step-4 checkpoint resumed on 4 ranks under FSDP (DCP reshards)."""
+  H: 2 ranks x grad_accum 2 under FSDP    I: H's step-4 checkpoint resumed on 4 ranks under FSDP (DCP
+  reshards)."""
 
 import json
 import shutil
@@ -24,15 +26,38 @@ from pipeline.runner import run_stages
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
-COMMON = ["+experiment=tiny", "data.limit=40", "train.max_steps=8", "train.save_every_steps=2", "train.keep_last=10",
-          "train.val_every_steps=1000", "train.device=cpu", "eval.num_prompts=2"]
+COMMON = [
+    "+experiment=tiny",
+    "data.limit=40",
+    "train.max_steps=8",
+    "train.save_every_steps=2",
+    "train.keep_last=10",
+    "train.val_every_steps=1000",
+    "train.device=cpu",
+    "eval.num_prompts=2",
+]
 
 
-def _train(run_dir: Path, cache_dir: str, ranks: int, grad_accum: int, *extra: str) -> subprocess.CompletedProcess:
-    accelerate = str(Path(sys.executable).parent / "accelerate")  # the CLI users type (its `launch` subcommand)
-    head = [accelerate, "launch", "--cpu", "--num_processes", str(ranks), "-m"] if ranks > 1 else [sys.executable, "-m"]
-    cmd = head + ["pipeline", *COMMON, *extra, f"train.grad_accum={grad_accum}", "stage=train",
-                  f"run_dir={run_dir}", f"cache_dir={cache_dir}"]
+def _train(
+    run_dir: Path, cache_dir: str, ranks: int, grad_accum: int, *extra: str
+) -> subprocess.CompletedProcess:
+    accelerate = str(
+        Path(sys.executable).parent / "accelerate"
+    )  # the CLI users type (its `launch` subcommand)
+    head = (
+        [accelerate, "launch", "--cpu", "--num_processes", str(ranks), "-m"]
+        if ranks > 1
+        else [sys.executable, "-m"]
+    )
+    cmd = head + [
+        "pipeline",
+        *COMMON,
+        *extra,
+        f"train.grad_accum={grad_accum}",
+        "stage=train",
+        f"run_dir={run_dir}",
+        f"cache_dir={cache_dir}",
+    ]
     r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stderr[-3000:]
     return r
@@ -91,19 +116,29 @@ def test_two_ranks_equal_one_rank_with_two_accumulation_steps(runs):
 def test_a_checkpoint_of_two_ranks_resumes_on_one_and_of_one_on_two(runs):
     for resumed, straight, was, now in (("B", "A", 2, 1), ("D", "C", 1, 2)):
         log = runs["logs"][resumed].stdout + runs["logs"][resumed].stderr
-        assert "train: resumed from" in log and f"on {now} rank(s) (it was written by {was})" in log, log[-2000:]
+        assert "train: resumed from" in log and f"on {now} rank(s) (it was written by {was})" in log, log[
+            -2000:
+        ]
         state = json.loads((runs[straight] / "train" / "step_000004" / "train_state.json").read_text())
-        assert state["world_size"] == was and state["packs_done_in_epoch"] == 8  # 4 steps x 2 packs, a global position
+        assert (
+            state["world_size"] == was and state["packs_done_in_epoch"] == 8
+        )  # 4 steps x 2 packs, a global position
         assert _close(_final(runs[resumed]), _final(runs[straight])) <= 1e-5, (resumed, straight)
 
 
 def test_fsdp_trains_to_the_ddp_weights_and_writes_the_same_final_checkpoint(runs):
-    assert "FSDP2, every parameter sharded over 2 ranks" in runs["logs"]["E"].stderr + runs["logs"]["E"].stdout
-    assert (runs["E"] / "train" / "step_000004" / "dcp" / ".metadata").is_file()  # sharded, not accelerate's state
+    assert (
+        "FSDP2, every parameter sharded over 2 ranks" in runs["logs"]["E"].stderr + runs["logs"]["E"].stdout
+    )
+    assert (
+        runs["E"] / "train" / "step_000004" / "dcp" / ".metadata"
+    ).is_file()  # sharded, not accelerate's state
     summary = json.loads((runs["E"] / "train" / "final" / "train_summary.json").read_text())
     assert summary["strategy"] == "fsdp" and summary["world_size"] == 2
     ddp, sharded = _final(runs["A"]), _final(runs["E"])
-    assert {k: (v.dtype, v.shape) for k, v in ddp.items()} == {k: (v.dtype, v.shape) for k, v in sharded.items()}
+    assert {k: (v.dtype, v.shape) for k, v in ddp.items()} == {
+        k: (v.dtype, v.shape) for k, v in sharded.items()
+    }
     assert _close(ddp, sharded) <= 1e-5  # the same serving checkpoint: export reads train/final/ alone
 
 
@@ -122,16 +157,37 @@ def test_an_fsdp_checkpoint_resumes_on_twice_the_ranks_at_the_same_weights(runs)
     assert _close(_final(runs["I"]), _final(runs["H"])) <= 1e-5
 
 
-def test_fsdp_on_one_rank_and_a_ddp_checkpoint_under_fsdp_are_refused_in_one_line(runs, make_cfg, tmp_path,
-                                                                                    cache_dir):
+def test_fsdp_on_one_rank_and_a_ddp_checkpoint_under_fsdp_are_refused_in_one_line(
+    runs, make_cfg, tmp_path, cache_dir
+):
     from pipeline.errors import UserError
 
     one = _copy_inputs(runs["store"], tmp_path / "one")
-    with pytest.raises(UserError, match="train.strategy=fsdp shards the draft over several ranks; this run has one"):
+    with pytest.raises(
+        UserError, match="train.strategy=fsdp shards the draft over several ranks; this run has one"
+    ):
         run_stages(make_cfg(*COMMON, "train.strategy=fsdp", "stage=train", run_dir=one))
     ddp_ckpt = _copy_inputs(runs["store"], tmp_path / "ddp", None)
     shutil.copytree(runs["A"] / "train" / "step_000004", ddp_ckpt / "train" / "step_000004")
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m",
-                        "pipeline", *COMMON, "train.strategy=fsdp", "stage=train", f"run_dir={ddp_ckpt}",
-                        f"cache_dir={cache_dir}"], cwd=ROOT, capture_output=True, text=True)
-    assert r.returncode != 0 and "was trained on other inputs or another train config" in r.stderr, r.stderr[-2000:]
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node=2",
+            "-m",
+            "pipeline",
+            *COMMON,
+            "train.strategy=fsdp",
+            "stage=train",
+            f"run_dir={ddp_ckpt}",
+            f"cache_dir={cache_dir}",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
+    assert r.returncode != 0 and "was trained on other inputs or another train config" in r.stderr, r.stderr[
+        -2000:
+    ]

@@ -1,5 +1,6 @@
 """Damaged features (#12 B4, B5): a flipped or truncated chunk stops train in one line naming the shard and
-the array; `check-store` lists every damaged chunk; `extract.repair=true` extracts exactly those shards again."""
+the array; `check-store` lists every damaged chunk; `extract.repair=true` extracts exactly those shards
+again."""
 
 import shutil
 import subprocess
@@ -14,8 +15,14 @@ RUN = ["+experiment=tiny", "data.limit=8", "extract.chunk_tokens=64", "extract.s
 
 
 def cli(*args, cache_dir):
-    return subprocess.run([sys.executable, "-m", "pipeline", *args, f"cache_dir={cache_dir}"], cwd=ROOT,
-                          capture_output=True, text=True, timeout=300, check=False)
+    return subprocess.run(
+        [sys.executable, "-m", "pipeline", *args, f"cache_dir={cache_dir}"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -54,8 +61,7 @@ def _truncate(path: Path) -> None:
 @pytest.mark.parametrize("damage,workers", [(_flip, 0), (_truncate, 1)])
 def test_train_refuses_a_damaged_chunk_in_one_line(run_copy, cache_dir, damage, workers):
     damage(run_copy / "features/shard-00000.zarr/aux_hidden/c/1/0")
-    r = cli(*RUN, "stage=train", f"train.num_workers={workers}", f"run_dir={run_copy}",
-            cache_dir=cache_dir)
+    r = cli(*RUN, "stage=train", f"train.num_workers={workers}", f"run_dir={run_copy}", cache_dir=cache_dir)
     line = _one_error_line(r)
     assert "shard-00000.zarr/aux_hidden: chunk 1 fails its crc32c check" in line, line
     assert f"extract.repair=true run_dir={run_copy}" in line
@@ -71,7 +77,10 @@ def test_check_store_finds_flipped_and_truncated_chunks_and_passes_a_good_store(
     r = cli("check-store", f"run_dir={run_copy}", cache_dir=cache_dir)
     line = _one_error_line(r)
     assert "2 damaged chunk(s) in 1 of" in line and "shard-00000.zarr" in line, line
-    assert "shard-00000.zarr/aux_hidden chunk 1:" in r.stdout and "shard-00000.zarr/last_hidden chunk 0:" in r.stdout
+    assert (
+        "shard-00000.zarr/aux_hidden chunk 1:" in r.stdout
+        and "shard-00000.zarr/last_hidden chunk 0:" in r.stdout
+    )
     assert sorted(p.relative_to(run_copy) for p in run_copy.rglob("*")) == before  # a tool writes nothing
 
 
@@ -87,14 +96,24 @@ def test_extract_repair_redoes_the_damaged_shard_byte_identically(store_run, run
 
 
 def test_resume_never_on_a_damaged_store_destroys_no_earlier_checkpoint(run_copy, cache_dir):
-    """train.resume=never used to delete every checkpoint and final/ first, then meet the damaged chunk (#12)."""
-    old = {"step_000010/train_state.json": '{"optimizer_step": 10}', "final/train_summary.json": '{"steps": 40}'}
+    """train.resume=never used to delete every checkpoint and final/ first, then meet the damaged chunk
+    (#12)."""
+    old = {
+        "step_000010/train_state.json": '{"optimizer_step": 10}',
+        "final/train_summary.json": '{"steps": 40}',
+    }
     for name, text in old.items():
         (run_copy / "train" / name).parent.mkdir(parents=True, exist_ok=True)
         (run_copy / "train" / name).write_text(text)
     _flip(run_copy / "features/shard-00000.zarr/aux_hidden/c/1/0")
-    r = cli(*RUN, "stage=train", "train.resume=never", "train.save_every_steps=1000", f"run_dir={run_copy}",
-            cache_dir=cache_dir)
+    r = cli(
+        *RUN,
+        "stage=train",
+        "train.resume=never",
+        "train.save_every_steps=1000",
+        f"run_dir={run_copy}",
+        cache_dir=cache_dir,
+    )
     assert "fails its crc32c check" in _one_error_line(r)
     aside = run_copy / "train" / ".replaced" / "000"
     assert {name: (aside / name).read_text() for name in old} == old  # set aside, whole: move them back

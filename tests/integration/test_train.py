@@ -12,11 +12,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from pipeline.models import draft
-from pipeline.stages import train
 from pipeline.data.features_dataset import collate, plan_packs
 from pipeline.formats.feature_store import FeatureStore
+from pipeline.models import draft
 from pipeline.runner import run_stages
+from pipeline.stages import train
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
@@ -42,14 +42,16 @@ def test_trained_draft_beats_an_untrained_one_on_held_out_samples(tiny_run):
 
 
 def test_the_validation_split_is_recorded_and_evaluate_prompts_only_from_it(tiny_run):
-    from pipeline.stages.evaluate import heldout_prompts
     from pipeline.data.features_dataset import split
+    from pipeline.stages.evaluate import heldout_prompts
 
     cfg, run_dir = tiny_run
     summary = json.loads((run_dir / "train" / "final" / "train_summary.json").read_text())
     store = FeatureStore(run_dir / "features")
     train_idx, val_idx = split(len(store), cfg.train.val_fraction, cfg.seed)
-    assert summary["val_samples"] == val_idx.tolist() and not set(summary["val_samples"]) & set(train_idx.tolist())
+    assert summary["val_samples"] == val_idx.tolist() and not set(summary["val_samples"]) & set(
+        train_idx.tolist()
+    )
     heldout = {tuple(store.sample(i)["input_ids"].tolist()) for i in summary["val_samples"]}
     prompts = heldout_prompts(cfg, store, 100, 10_000)
     assert prompts and all(any(h[: len(p)] == tuple(p) for h in heldout) for p in prompts)
@@ -60,18 +62,37 @@ def test_the_validation_split_is_recorded_and_evaluate_prompts_only_from_it(tiny
 
 
 def test_aux_layer_ids_flow_from_the_store_into_the_draft(make_cfg, tmp_path):
-    cfg = make_cfg("+experiment=tiny", "data.limit=12", "extract.aux_layers=[0,2,5]", "train.max_steps=2",
-                   run_dir=tmp_path)
+    cfg = make_cfg(
+        "+experiment=tiny",
+        "data.limit=12",
+        "extract.aux_layers=[0,2,5]",
+        "train.max_steps=2",
+        run_dir=tmp_path,
+    )
     run_stages(cfg)
     config = json.loads((tmp_path / "train" / "final" / "config.json").read_text())
-    assert config["eagle_aux_hidden_state_layer_ids"] == [0, 2, 5] == FeatureStore(tmp_path / "features").aux_layer_ids
+    assert (
+        config["eagle_aux_hidden_state_layer_ids"]
+        == [0, 2, 5]
+        == FeatureStore(tmp_path / "features").aux_layer_ids
+    )
     weights = load_file(str(tmp_path / "train" / "final" / "model.safetensors"))
     assert weights["fc.weight"].shape == (64, 3 * 64)
 
 
 def _cmd(run_dir, cache_dir):
-    return [sys.executable, "-m", "pipeline", "+experiment=tiny", f"run_dir={run_dir}", f"cache_dir={cache_dir}",
-            "train.max_steps=60", "train.save_every_steps=5", "train.keep_last=20", "train.val_every_steps=1000"]
+    return [
+        sys.executable,
+        "-m",
+        "pipeline",
+        "+experiment=tiny",
+        f"run_dir={run_dir}",
+        f"cache_dir={cache_dir}",
+        "train.max_steps=60",
+        "train.save_every_steps=5",
+        "train.keep_last=20",
+        "train.val_every_steps=1000",
+    ]
 
 
 def test_training_killed_and_resumed_ends_bit_identical(make_cfg, tmp_path, cache_dir):
@@ -79,8 +100,12 @@ def test_training_killed_and_resumed_ends_bit_identical(make_cfg, tmp_path, cach
     assert straight.returncode == 0, straight.stderr[-3000:]
     for stage in ("prepare", "extract", "vocab"):
         run_stages(make_cfg("+experiment=tiny", f"stage={stage}", run_dir=tmp_path / "b"))
-    proc = subprocess.Popen(_cmd(tmp_path / "b", cache_dir) + ["stage=train"], cwd=ROOT,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        _cmd(tmp_path / "b", cache_dir) + ["stage=train"],
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     deadline = time.time() + 180
     while time.time() < deadline and proc.poll() is None:
         if (tmp_path / "b" / "train" / "step_000005" / "train_state.json").exists():
@@ -90,7 +115,9 @@ def test_training_killed_and_resumed_ends_bit_identical(make_cfg, tmp_path, cach
     proc.wait()
     assert proc.returncode == -signal.SIGKILL, "training finished before it could be killed"
     assert not (tmp_path / "b" / "train" / "final").exists()
-    resumed = subprocess.run(_cmd(tmp_path / "b", cache_dir) + ["stage=train"], cwd=ROOT, capture_output=True, text=True)
+    resumed = subprocess.run(
+        _cmd(tmp_path / "b", cache_dir) + ["stage=train"], cwd=ROOT, capture_output=True, text=True
+    )
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "train: resumed from" in resumed.stdout + resumed.stderr
     a = load_file(str(tmp_path / "a" / "train" / "final" / "model.safetensors"))
@@ -106,8 +133,15 @@ def test_packing_isolates_documents(tiny_run):
     store_facts_folder = Path(store.facts["target_path"])
     d2t, t2d, _ = train.load_inputs(cfg)[1:]
     from pipeline.models import targets
-    model = draft.build(store_facts_folder, targets.load_config(store_facts_folder, cfg.target), store.aux_layer_ids,
-                        d2t, t2d, 3).eval()
+
+    model = draft.build(
+        store_facts_folder,
+        targets.load_config(store_facts_folder, cfg.target),
+        store.aux_layer_ids,
+        d2t,
+        t2d,
+        3,
+    ).eval()
     batch = collate(store, [0, 1], 10_000)
     batch.pop("verifier_last_hidden_states")  # logits only, no loss
     n0 = int((batch["document_ids"] == 0).sum())
@@ -140,10 +174,18 @@ def test_packs_respect_the_token_budget_and_cover_each_position_once():
     import numpy as np
 
     from pipeline.data.features_dataset import split_points
+
     lengths = np.array([5, 300, 40, 2, 1, 80, 700])
     packs = plan_packs(np.arange(7), lengths, 400, seed=0, epoch=0, context=100)
     pieces = [piece for p in packs for piece in p]
-    assert sorted({i for i, _, _ in pieces}) == [0, 1, 2, 3, 5, 6]  # the 1-token sample has nothing to predict
+    assert sorted({i for i, _, _ in pieces}) == [
+        0,
+        1,
+        2,
+        3,
+        5,
+        6,
+    ]  # the 1-token sample has nothing to predict
     assert all(sum(min(lengths[i] - 1 - a, 400) for i, a, _ in p) <= 400 for p in packs)
     scored = {}  # every shifted position of every sample is scored in exactly one piece
     for i, a, c in pieces:
@@ -165,10 +207,10 @@ def test_a_split_window_keeps_its_positions_and_scores_only_its_new_tokens(tiny_
     window = collate(store, [(i, 40, 10)], 64)  # positions 40..103, the first 10 context only
     n = min(m - 40, 64)
     assert window["position_ids"][0].tolist() == list(range(41, 41 + n))
-    assert torch.equal(window["hidden_states"][0], whole["hidden_states"][0, 40:40 + n])
-    assert torch.equal(window["input_ids"][0], whole["input_ids"][0, 40:40 + n])
+    assert torch.equal(window["hidden_states"][0], whole["hidden_states"][0, 40 : 40 + n])
+    assert torch.equal(window["input_ids"][0], whole["input_ids"][0, 40 : 40 + n])
     assert not window["loss_mask"][0, :10].any()
-    assert torch.equal(window["loss_mask"][0, 10:], s["loss_mask"][51:41 + n].bool())
+    assert torch.equal(window["loss_mask"][0, 10:], s["loss_mask"][51 : 41 + n].bool())
     with pytest.raises(ValueError, match="splits it"):
         collate(store, [i], 16)  # a bare index must fit: nothing is ever cut silently
 
@@ -182,8 +224,16 @@ def test_samples_longer_than_a_pack_are_split_not_cut(make_cfg, tmp_path, caplog
 
     caplog.set_level(logging.INFO)
     for stage in ("prepare", "extract", "vocab", "train"):
-        run_stages(make_cfg("+experiment=tiny", "data.limit=16", "train.max_steps=2", "train.tokens_per_pack=128",
-                            f"stage={stage}", run_dir=tmp_path))
+        run_stages(
+            make_cfg(
+                "+experiment=tiny",
+                "data.limit=16",
+                "train.max_steps=2",
+                "train.tokens_per_pack=128",
+                f"stage={stage}",
+                run_dir=tmp_path,
+            )
+        )
     summary = json.loads((tmp_path / "train" / "final" / "train_summary.json").read_text())
     split_ = summary["split_by_tokens_per_pack"]
     lengths = Store(tmp_path / "features").sample_lengths()
@@ -197,11 +247,13 @@ def test_samples_longer_than_a_pack_are_split_not_cut(make_cfg, tmp_path, caplog
 
 
 def test_a_padded_pack_gives_the_loss_metrics_and_gradients_of_the_unpadded_one(tiny_run):
-    """train.pad_packs=true (one shape per step, issue #14): the padding attends only to itself, is never scored,
+    """train.pad_packs=true (one shape per step, issue #14): the padding attends only to itself, is never
+    scored,
     and changes nothing the optimizer sees. fp32 on CPU."""
     from speculators.losses.utils import resolve_loss_config
 
     from pipeline.models import targets
+
     cfg, run_dir = tiny_run
     store = FeatureStore(run_dir / "features")
     folder = Path(store.facts["target_path"])
@@ -216,8 +268,10 @@ def test_a_padded_pack_gives_the_loss_metrics_and_gradients_of_the_unpadded_one(
     n = exact["input_ids"].shape[1]
     assert padded["input_ids"].shape == (1, 512) and n < 512 and (padded["document_ids"][0, n:] == -1).all()
     extra = 512 - n  # what padding means, written out: document id -1, everything else 0, on the right
-    fill = {k: torch.full((1, extra, *v.shape[2:]), -1 if k == "document_ids" else 0, dtype=v.dtype)
-            for k, v in exact.items()}
+    fill = {
+        k: torch.full((1, extra, *v.shape[2:]), -1 if k == "document_ids" else 0, dtype=v.dtype)
+        for k, v in exact.items()
+    }
     assert all(torch.equal(torch.cat([exact[k], fill[k]], 1), padded[k]) for k in exact)
 
     def loss_metrics_grads(batch):
@@ -225,12 +279,18 @@ def test_a_padded_pack_gives_the_loss_metrics_and_gradients_of_the_unpadded_one(
         b = {k: (v.float() if v.is_floating_point() else v) for k, v in batch.items()}
         _, loss, metrics = model(**b, **fwd)
         loss.backward()
-        return loss.detach(), {k: float(v) for k, v in metrics.items()}, \
-            {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
+        return (
+            loss.detach(),
+            {k: float(v) for k, v in metrics.items()},
+            {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None},
+        )
 
     (l0, m0, g0), (l1, m1, g1) = loss_metrics_grads(exact), loss_metrics_grads(padded)
     assert torch.allclose(l0, l1, rtol=1e-5, atol=1e-7), (l0, l1)
-    assert m0.keys() == m1.keys() and all(abs(m0[k] - m1[k]) <= 1e-5 * max(1.0, abs(m0[k])) for k in m0), (m0, m1)
+    assert m0.keys() == m1.keys() and all(abs(m0[k] - m1[k]) <= 1e-5 * max(1.0, abs(m0[k])) for k in m0), (
+        m0,
+        m1,
+    )
     assert g0.keys() == g1.keys() and g0
     for k in g0:
         assert torch.allclose(g0[k], g1[k], rtol=1e-4, atol=1e-7), k

@@ -4,10 +4,10 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.stages import train
 from pipeline.errors import UserError
 from pipeline.formats.feature_store import FeatureStore
 from pipeline.runner import run_stages
+from pipeline.stages import train
 
 pytestmark = pytest.mark.slow
 
@@ -33,4 +33,6 @@ def test_vocab_counts_supervised_tokens_of_the_store(make_cfg, tmp_path):
 
 def test_vocab_larger_than_the_target_vocabulary_is_a_user_error(make_cfg, tmp_path):
     with pytest.raises(UserError, match=r"draft_vocab_size=2000: must be in \[1, 1024\]"):
-        run_stages(make_cfg("+experiment=tiny", "data.limit=2", "vocab.draft_vocab_size=2000", run_dir=tmp_path))
+        run_stages(
+            make_cfg("+experiment=tiny", "data.limit=2", "vocab.draft_vocab_size=2000", run_dir=tmp_path)
+        )

@@ -1,4 +1,5 @@
-"""The package's floors follow the data flow: a stage never imports another stage, nor the runner that loads it.
+"""The package's floors follow the data flow: a stage never imports another stage, nor the runner that loads
+it.
 
 Stages meet only through what they write on disk (pipeline/formats/) and shared pieces that live below them
 (pipeline/engines/, pipeline/fingerprint.py, ...), so any stage can be read, run and replaced on its own.
@@ -28,7 +29,9 @@ def imported_modules(path: Path) -> set[str]:
 
 def stage_imports(path: Path, own: str) -> list[str]:
     forbidden = {f"pipeline.stages.{s}" for s in ORDER if s != own} | {"pipeline.runner"}
-    return sorted(m for m in imported_modules(path) if m in forbidden or any(m.startswith(f + ".") for f in forbidden))
+    return sorted(
+        m for m in imported_modules(path) if m in forbidden or any(m.startswith(f + ".") for f in forbidden)
+    )
 
 
 @pytest.mark.parametrize("stage", ORDER)
@@ -38,10 +41,16 @@ def test_a_stage_imports_no_other_stage_and_not_the_runner(stage):
 
 def test_the_check_sees_imports_at_any_depth(tmp_path):
     f = tmp_path / "fake.py"
-    f.write_text("from pipeline.stages import prepare\nimport pipeline.runner\ndef g():\n"
-                 "    from pipeline.stages.extract import Capture\n")
-    assert stage_imports(f, "evaluate") == ["pipeline.runner", "pipeline.stages.extract",
-                                            "pipeline.stages.extract.Capture", "pipeline.stages.prepare"]
+    f.write_text(
+        "from pipeline.stages import prepare\nimport pipeline.runner\ndef g():\n"
+        "    from pipeline.stages.extract import Capture\n"
+    )
+    assert stage_imports(f, "evaluate") == [
+        "pipeline.runner",
+        "pipeline.stages.extract",
+        "pipeline.stages.extract.Capture",
+        "pipeline.stages.prepare",
+    ]
 
 
 def test_the_folders_are_the_map_in_docs_stages_md():
@@ -77,9 +86,17 @@ def test_the_length_check_counts_def_to_last_line_of_functions_and_methods_at_an
         return "".join(f"{indent}x{i} = {i}\n" for i in range(n))
 
     f = tmp_path / "fake.py"
-    f.write_text("def fits():\n" + body(79, "    ")  # lines 1-80: 80 lines, allowed
-                 + "def over():\n" + body(80, "    ")  # lines 81-161: 81 lines
-                 + "class C:\n    def method(self):\n        def inner():\n" + body(80, " " * 12)
-                 + "        return inner\n")  # method: lines 163-245 (83), inner: 164-244 (81)
-    assert long_functions(f) == ["fake.py:81 over (81 lines)", "fake.py:163 method (83 lines)",
-                                 "fake.py:164 inner (81 lines)"]
+    f.write_text(
+        "def fits():\n"
+        + body(79, "    ")  # lines 1-80: 80 lines, allowed
+        + "def over():\n"
+        + body(80, "    ")  # lines 81-161: 81 lines
+        + "class C:\n    def method(self):\n        def inner():\n"
+        + body(80, " " * 12)
+        + "        return inner\n"
+    )  # method: lines 163-245 (83), inner: 164-244 (81)
+    assert long_functions(f) == [
+        "fake.py:81 over (81 lines)",
+        "fake.py:163 method (83 lines)",
+        "fake.py:164 inner (81 lines)",
+    ]

@@ -22,28 +22,56 @@ def speculators_tensors() -> dict:
         return torch.randn(*shape, generator=g)
 
     q, kv = HEADS * HEAD_DIM, KV * HEAD_DIM
-    layer = {"self_attn.q_proj.weight": w(q, 2 * H), "self_attn.k_proj.weight": w(kv, 2 * H),
-             "self_attn.v_proj.weight": w(kv, 2 * H), "self_attn.o_proj.weight": w(H, q),
-             "mlp.gate_proj.weight": w(INTER, H), "mlp.up_proj.weight": w(INTER, H), "mlp.down_proj.weight": w(H, INTER),
-             "input_layernorm.weight": torch.ones(H), "hidden_norm.weight": torch.ones(H),
-             "post_attention_layernorm.weight": torch.ones(H)}
+    layer = {
+        "self_attn.q_proj.weight": w(q, 2 * H),
+        "self_attn.k_proj.weight": w(kv, 2 * H),
+        "self_attn.v_proj.weight": w(kv, 2 * H),
+        "self_attn.o_proj.weight": w(H, q),
+        "mlp.gate_proj.weight": w(INTER, H),
+        "mlp.up_proj.weight": w(INTER, H),
+        "mlp.down_proj.weight": w(H, INTER),
+        "input_layernorm.weight": torch.ones(H),
+        "hidden_norm.weight": torch.ones(H),
+        "post_attention_layernorm.weight": torch.ones(H),
+    }
     t2d = torch.zeros(V, dtype=torch.bool)
     t2d[USED] = True
-    return {**{f"layers.0.{k}": v for k, v in layer.items()}, "fc.weight": w(H, len(AUX) * H),
-            "norm.weight": torch.ones(H), "lm_head.weight": w(DRAFT_V, H),
-            "d2t": torch.tensor(USED) - torch.arange(DRAFT_V), "t2d": t2d}
+    return {
+        **{f"layers.0.{k}": v for k, v in layer.items()},
+        "fc.weight": w(H, len(AUX) * H),
+        "norm.weight": torch.ones(H),
+        "lm_head.weight": w(DRAFT_V, H),
+        "d2t": torch.tensor(USED) - torch.arange(DRAFT_V),
+        "t2d": t2d,
+    }
 
 
 def good(engine: str) -> tuple[dict, dict]:
     tensors = speculators_tensors()
-    shape = {"hidden_size": H, "num_attention_heads": HEADS, "num_key_value_heads": KV, "head_dim": HEAD_DIM,
-             "intermediate_size": INTER, "draft_vocab_size": DRAFT_V}
+    shape = {
+        "hidden_size": H,
+        "num_attention_heads": HEADS,
+        "num_key_value_heads": KV,
+        "head_dim": HEAD_DIM,
+        "intermediate_size": INTER,
+        "draft_vocab_size": DRAFT_V,
+    }
     if engine == "sglang":
-        tensors = {("midlayer." + k[len("layers.0."):] if k.startswith("layers.0.") else k): v for k, v in tensors.items()}
-        config = {"architectures": ["LlamaForCausalLMEagle3"], **shape,
-                  "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(AUX), "use_aux_hidden_state": True}}
+        tensors = {
+            ("midlayer." + k[len("layers.0.") :] if k.startswith("layers.0.") else k): v
+            for k, v in tensors.items()
+        }
+        config = {
+            "architectures": ["LlamaForCausalLMEagle3"],
+            **shape,
+            "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(AUX), "use_aux_hidden_state": True},
+        }
     else:
-        config = {"architectures": ["Eagle3Speculator"], **shape, "eagle_aux_hidden_state_layer_ids": [k + 1 for k in AUX]}
+        config = {
+            "architectures": ["Eagle3Speculator"],
+            **shape,
+            "eagle_aux_hidden_state_layer_ids": [k + 1 for k in AUX],
+        }
     return tensors, config
 
 
@@ -97,20 +125,41 @@ BOTH = [
     ("aux ids missing", None, lambda c: aux_ids(c, None), "aux layer ids missing from config.json"),
     ("aux ids in the other numbering", None, lambda c: aux_ids(c, [2, 3, 4]), "aux layer ids [2, 3, 4] != "),
     ("fc missing", lambda t: drop(t, "fc.weight"), None, "fc.weight missing"),
-    ("fc of one layer", lambda t: set_(t, "fc.weight", t["fc.weight"][:, :H].contiguous()), None,
-     f"fc.weight takes {H} inputs, expected n_aux x hidden = 3 x {H}"),
+    (
+        "fc of one layer",
+        lambda t: set_(t, "fc.weight", t["fc.weight"][:, :H].contiguous()),
+        None,
+        f"fc.weight takes {H} inputs, expected n_aux x hidden = 3 x {H}",
+    ),
     ("no d2t", lambda t: drop(t, "d2t"), None, "d2t/t2d missing"),
-    ("absolute d2t", lambda t: set_(t, "d2t", torch.tensor(USED)), None, "vocab: d2t holds absolute target ids"),
-    ("draft vocab size differs", None, lambda c: set_(c, "draft_vocab_size", DRAFT_V + 1), "vocab: len(d2t)=8 != draft vocab 9"),
+    (
+        "absolute d2t",
+        lambda t: set_(t, "d2t", torch.tensor(USED)),
+        None,
+        "vocab: d2t holds absolute target ids",
+    ),
+    (
+        "draft vocab size differs",
+        None,
+        lambda c: set_(c, "draft_vocab_size", DRAFT_V + 1),
+        "vocab: len(d2t)=8 != draft vocab 9",
+    ),
     ("a NaN", lambda t: nan_at(t, "norm.weight"), None, "norm.weight has non-finite values"),
     ("a zeroed fc", lambda t: scaled(t, "fc.weight", 0.0), None, "fc.weight is constant (std 0, norm 0)"),
-    ("a constant lm_head", lambda t: scaled(t, "lm_head.weight", 0.5), None, "lm_head.weight is constant (std 0, norm 4):"),
+    (
+        "a constant lm_head",
+        lambda t: scaled(t, "lm_head.weight", 0.5),
+        None,
+        "lm_head.weight is constant (std 0, norm 4):",
+    ),
 ]
 
 
 @pytest.mark.parametrize("engine", ["sglang", "vllm"])
 @pytest.mark.parametrize("what,tensors,config,message", BOTH, ids=[b[0] for b in BOTH])
-def test_each_rule_of_both_layouts_fires_on_its_own_breakage(tmp_path, engine, what, tensors, config, message):
+def test_each_rule_of_both_layouts_fires_on_its_own_breakage(
+    tmp_path, engine, what, tensors, config, message
+):
     problems = problems_of(tmp_path, engine, tensors, config)
     assert any(message in p for p in problems), problems
 
@@ -125,24 +174,57 @@ def sg(t, old, new):
 
 
 def pre_rename(t):
-    return {("layers.0." + k[len("midlayer."):] if k.startswith("midlayer.") else k): v for k, v in t.items()}
+    return {
+        ("layers.0." + k[len("midlayer.") :] if k.startswith("midlayer.") else k): v for k, v in t.items()
+    }
 
 
 SGLANG = [
-    ("another architecture", None, lambda c: set_(c, "architectures", ["LlamaForCausalLM"]),
-     "architectures ['LlamaForCausalLM'] is none of [['LlamaForCausalLMEagle3'], ['Eagle3DeepseekV2ForCausalLM']]"),
-    ("no draft_vocab_size", None, lambda c: c.pop("draft_vocab_size"), "draft_vocab_size missing: SGLang would use"),
+    (
+        "another architecture",
+        None,
+        lambda c: set_(c, "architectures", ["LlamaForCausalLM"]),
+        "architectures ['LlamaForCausalLM'] is none of [['LlamaForCausalLMEagle3'], "
+        "['Eagle3DeepseekV2ForCausalLM']]",
+    ),
+    (
+        "no draft_vocab_size",
+        None,
+        lambda c: c.pop("draft_vocab_size"),
+        "draft_vocab_size missing: SGLang would use",
+    ),
     ("post-rename names", pre_rename, None, "10 tensors named layers.* (layers.0.hidden_norm.weight, ...)"),
-    ("a prefixed key", lambda t: sg(t, "lm_head.weight", "draft_model.lm_head.weight"), None,
-     "SGLang 0.5.23 would silently drop ['draft_model.lm_head.weight']"),
-    ("a layer weight missing", lambda t: drop(t, "midlayer.mlp.down_proj.weight"), None,
-     "SGLang parameters never written: ['model.layers.0.mlp.down_proj.weight']"),
-    ("a wrong shape", lambda t: set_(t, "midlayer.self_attn.o_proj.weight", torch.randn(H, H + 1)), None,
-     f"model.layers.0.self_attn.o_proj.weight: export gives ({H}, {H + 1}), engine has ({H}, {H})"),
-    ("a split qkv of the wrong width", lambda t: set_(t, "midlayer.self_attn.k_proj.weight", torch.randn(2 * HEAD_DIM, 2 * H)),
-     None, f"model.layers.0.self_attn.qkv_proj.weight: export gives ({HEADS * HEAD_DIM + 3 * HEAD_DIM}, {2 * H})"),
-    ("t2d elsewhere than d2t points", lambda t: set_(t, "t2d", torch.roll(t["t2d"], 1)), None,
-     "SGLang's hot_token_id (arange + d2t) does not point at the t2d ids"),
+    (
+        "a prefixed key",
+        lambda t: sg(t, "lm_head.weight", "draft_model.lm_head.weight"),
+        None,
+        "SGLang 0.5.23 would silently drop ['draft_model.lm_head.weight']",
+    ),
+    (
+        "a layer weight missing",
+        lambda t: drop(t, "midlayer.mlp.down_proj.weight"),
+        None,
+        "SGLang parameters never written: ['model.layers.0.mlp.down_proj.weight']",
+    ),
+    (
+        "a wrong shape",
+        lambda t: set_(t, "midlayer.self_attn.o_proj.weight", torch.randn(H, H + 1)),
+        None,
+        f"model.layers.0.self_attn.o_proj.weight: export gives ({H}, {H + 1}), engine has ({H}, {H})",
+    ),
+    (
+        "a split qkv of the wrong width",
+        lambda t: set_(t, "midlayer.self_attn.k_proj.weight", torch.randn(2 * HEAD_DIM, 2 * H)),
+        None,
+        "model.layers.0.self_attn.qkv_proj.weight: export gives "
+        f"({HEADS * HEAD_DIM + 3 * HEAD_DIM}, {2 * H})",
+    ),
+    (
+        "t2d elsewhere than d2t points",
+        lambda t: set_(t, "t2d", torch.roll(t["t2d"], 1)),
+        None,
+        "SGLang's hot_token_id (arange + d2t) does not point at the t2d ids",
+    ),
 ]
 
 
@@ -153,7 +235,9 @@ def test_each_sglang_rule_fires_on_its_own_breakage(tmp_path, what, tensors, con
 
 
 def test_vllm_refuses_names_its_loader_does_not_know(tmp_path):
-    problems = problems_of(tmp_path, "vllm", lambda t: {("draft." + k if k.startswith("fc") else k): v for k, v in t.items()})
+    problems = problems_of(
+        tmp_path, "vllm", lambda t: {("draft." + k if k.startswith("fc") else k): v for k, v in t.items()}
+    )
     assert "vLLM's eagle3 loader raises on unknown names: ['draft.fc.weight']" in problems
     assert "fc.weight missing" in problems
 

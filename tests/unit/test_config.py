@@ -43,7 +43,11 @@ def test_run_dir_is_stable_and_named_after_the_inputs(make_cfg):
     assert make_cfg().run_dir == "runs/smollm2-135m-instruct-chitchat"
 
 
-GROUPS = sorted(p.name for p in CONF.iterdir() if p.is_dir() and p.name not in ("experiment", "hydra", "local", "accelerate"))  # accelerate: launcher files, not Hydra
+GROUPS = sorted(
+    p.name
+    for p in CONF.iterdir()
+    if p.is_dir() and p.name not in ("experiment", "hydra", "local", "accelerate")
+)  # accelerate: launcher files, not Hydra
 
 
 def repeated_defaults(yaml_node: dict, schema: dict, prefix: str = "") -> list[str]:
@@ -68,37 +72,57 @@ def schema_of(group: str | None) -> dict:
     return OmegaConf.to_container(ConfigStore.instance().load(name).node, resolve=False, enum_to_str=True)
 
 
-@pytest.mark.parametrize("path", [CONF / "config.yaml"] + sorted(p for g in GROUPS for p in (CONF / g).glob("*.yaml")),
-                         ids=lambda p: str(p.relative_to(CONF)))
+@pytest.mark.parametrize(
+    "path",
+    [CONF / "config.yaml"] + sorted(p for g in GROUPS for p in (CONF / g).glob("*.yaml")),
+    ids=lambda p: str(p.relative_to(CONF)),
+)
 def test_a_yaml_holds_only_what_differs_from_its_schema(path):
     """A YAML value equal to the dataclass default is a second home for it: the two drift apart unnoticed."""
     from omegaconf import OmegaConf
 
     group = None if path.parent == CONF else path.parent.name
     node = OmegaConf.to_container(OmegaConf.load(path), resolve=False)
-    assert repeated_defaults(node, schema_of(group)) == [], f"{path.relative_to(CONF)} repeats pipeline/config.py"
+    assert repeated_defaults(node, schema_of(group)) == [], (
+        f"{path.relative_to(CONF)} repeats pipeline/config.py"
+    )
 
 
 def test_the_repeat_check_sees_nested_and_enum_defaults():
     schema = schema_of("train")
-    assert repeated_defaults({"defaults": ["base_train"], "lr": 3.0e-4, "epochs": 2, "resume": "auto",
-                              "wandb": {"mode": "offline", "project": "mine"}}, schema) == \
-        ["lr: 0.0003", "resume: 'auto'", "wandb.mode: 'offline'"]
+    assert repeated_defaults(
+        {
+            "defaults": ["base_train"],
+            "lr": 3.0e-4,
+            "epochs": 2,
+            "resume": "auto",
+            "wandb": {"mode": "offline", "project": "mine"},
+        },
+        schema,
+    ) == ["lr: 0.0003", "resume: 'auto'", "wandb.mode: 'offline'"]
 
 
-@pytest.mark.parametrize("launcher,target", [("slurm", "SlurmLauncher"), ("local", "LocalLauncher"),
-                                             ("submitit_local", "LocalLauncher")])
+@pytest.mark.parametrize(
+    "launcher,target",
+    [("slurm", "SlurmLauncher"), ("local", "LocalLauncher"), ("submitit_local", "LocalLauncher")],
+)
 def test_the_cluster_launchers_compose_onto_the_submitit_plugin(launcher, target):
-    """conf/hydra/launcher/{slurm,local}.yaml extend the plugin's own configs; a sweep job's dir is ${run_dir}/N."""
+    """conf/hydra/launcher/{slurm,local}.yaml extend the plugin's own configs; a sweep job's dir is
+    ${run_dir}/N."""
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
     GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        cfg = compose(config_name="config", overrides=[f"hydra/launcher={launcher}", "run_dir=/r"],
-                      return_hydra_config=True)
+        cfg = compose(
+            config_name="config",
+            overrides=[f"hydra/launcher={launcher}", "run_dir=/r"],
+            return_hydra_config=True,
+        )
     assert cfg.hydra.launcher._target_.endswith(target)
-    assert cfg.hydra.launcher.timeout_min > 50  # a preemption signal is not counted as one of the allowed time-outs
+    assert (
+        cfg.hydra.launcher.timeout_min > 50
+    )  # a preemption signal is not counted as one of the allowed time-outs
     assert cfg.hydra.sweep.dir == "/r"
     if launcher == "slurm":
         assert cfg.hydra.launcher.signal_delay_s >= 120 and cfg.hydra.launcher.gpus_per_node == 8
@@ -110,12 +134,17 @@ def test_the_accelerate_configs_launch_bf16_gpu_ranks_without_accelerates_own_fs
 
     cfg = yaml.safe_load((CONF / "accelerate" / f"{name}.yaml").read_text())
     assert cfg["distributed_type"] == "MULTI_GPU" and cfg["mixed_precision"] == "bf16" and not cfg["use_cpu"]
-    assert not any(k.startswith("fsdp") for k in cfg)  # train.strategy=fsdp shards; accelerate's plugin would twice
-    assert f"train.strategy={name}" in (CONF / "accelerate" / f"{name}.yaml").read_text()  # the knob it goes with
+    assert not any(
+        k.startswith("fsdp") for k in cfg
+    )  # train.strategy=fsdp shards; accelerate's plugin would twice
+    assert (
+        f"train.strategy={name}" in (CONF / "accelerate" / f"{name}.yaml").read_text()
+    )  # the knob it goes with
 
 
 def test_pad_packs_defaults_to_one_shape_on_cuda_and_to_no_padding_on_cpu():
-    """train.pad_packs=null: padded where speculators compiles the forward (CUDA), not on CPU; a set value wins."""
+    """train.pad_packs=null: padded where speculators compiles the forward (CUDA), not on CPU; a set value
+    wins."""
     from types import SimpleNamespace
 
     import torch

@@ -1,5 +1,5 @@
-from pipeline.models import draft
 from pipeline.engines.hf_capture import aux_layer_ids
+from pipeline.models import draft
 
 
 def test_kimi_k25_draft_builds_on_meta_with_the_seed_shape(make_cfg):
@@ -20,20 +20,40 @@ def test_the_target_owned_names_are_the_drafts_and_everything_else_is_what_both_
 
     from pipeline.formats import export_layouts as lay
 
-    t = SimpleNamespace(vocab_size=64, hidden_size=16, intermediate_size=32, num_attention_heads=2,
-                        num_key_value_heads=1, head_dim=8, rms_norm_eps=1e-6, max_position_embeddings=128,
-                        architectures=[])
+    t = SimpleNamespace(
+        vocab_size=64,
+        hidden_size=16,
+        intermediate_size=32,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=8,
+        rms_norm_eps=1e-6,
+        max_position_embeddings=128,
+        architectures=[],
+    )
     model = draft.build(None, t, [1, 2, 3], None, None, 1, load_target_weights=False, draft_vocab_size=8)
     names = dict(model.named_parameters())
     assert lay.TARGET_OWNED <= set(names)  # a rename in speculators fails here, not in a silent export
     own = lay.draft_owned(model.state_dict())
     assert not set(own) & lay.TARGET_OWNED and set(model.state_dict()) - set(own) == lay.TARGET_OWNED
-    assert draft.own_parameters(model) == sum(p.numel() for n, p in names.items() if n not in lay.TARGET_OWNED)
+    assert draft.own_parameters(model) == sum(
+        p.numel() for n, p in names.items() if n not in lay.TARGET_OWNED
+    )
     # what is left is exactly what SGLang's loader writes (the embedding it takes from the target) ...
-    shape = lay.Shape(hidden=16, target_hidden=16, n_aux=3, heads=2, kv_heads=1, head_dim=8, intermediate=32,
-                      vocab=64, draft_vocab=8)
-    report = lay.sglang_load_report({lay.speculators_to_sglang_name(k): v for k, v in own.items()},
-                                    lay.sglang_param_table(shape))
+    shape = lay.Shape(
+        hidden=16,
+        target_hidden=16,
+        n_aux=3,
+        heads=2,
+        kv_heads=1,
+        head_dim=8,
+        intermediate=32,
+        vocab=64,
+        draft_vocab=8,
+    )
+    report = lay.sglang_load_report(
+        {lay.speculators_to_sglang_name(k): v for k, v in own.items()}, lay.sglang_param_table(shape)
+    )
     assert (report["dropped"], report["unwritten"], report["shape_problems"]) == ([], [], [])
     # ... and only names vLLM's eagle3 loader knows
     assert all(k.startswith(("layers.0.", "fc.", "norm.", "lm_head.")) or k in ("d2t", "t2d") for k in own)

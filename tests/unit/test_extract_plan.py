@@ -1,8 +1,8 @@
 import numpy as np
 import pytest
 
-from pipeline.errors import UserError
 from pipeline.engines.hf_capture import aux_layer_ids, default_aux_layers
+from pipeline.errors import UserError
 from pipeline.stages.extract import plan_batches, plan_shards
 
 
@@ -13,8 +13,15 @@ def test_default_aux_layers_match_the_engines_defaults():
     assert aux_layer_ids(None, 30) == [1, 14, 26]
 
 
-@pytest.mark.parametrize("ids,msg", [([1, 30], r"\[30\] outside \[0, 29\]"), ([-1, 2], r"\[-1\] outside"),
-                                     ([3, 3, 4], r"\[3\] repeated"), ([], "empty")])
+@pytest.mark.parametrize(
+    "ids,msg",
+    [
+        ([1, 30], r"\[30\] outside \[0, 29\]"),
+        ([-1, 2], r"\[-1\] outside"),
+        ([3, 3, 4], r"\[3\] repeated"),
+        ([], "empty"),
+    ],
+)
 def test_bad_aux_layer_ids_are_rejected(ids, msg):
     with pytest.raises(UserError, match=msg):
         aux_layer_ids(ids, 30)
@@ -38,7 +45,8 @@ def test_batches_cover_each_sample_once_within_the_token_budget():
 
 
 def test_writer_processes_fall_back_to_this_process_where_dev_shm_cannot_hold_two_shards(monkeypatch, caplog):
-    """Containers often cap /dev/shm at 64 MB: extract.write_workers > 1 then writes from this process and says
+    """Containers often cap /dev/shm at 64 MB: extract.write_workers > 1 then writes from this process and
+    says
     why in the log (the shared buffers would die with SIGBUS, not with an error)."""
     from types import SimpleNamespace
 
@@ -46,20 +54,26 @@ def test_writer_processes_fall_back_to_this_process_where_dev_shm_cannot_hold_tw
     from pipeline.stages import extract
 
     ex = SimpleNamespace(write_workers=4, shard_tokens=262144)
-    monkeypatch.setattr(shard_regions, "shm_free_bytes", lambda: 64 * 2 ** 20)
+    monkeypatch.setattr(shard_regions, "shm_free_bytes", lambda: 64 * 2**20)
     with caplog.at_level("WARNING"):
         assert extract._writer_processes(ex, (3 * 576, 576), fp8=False) is None
-    assert "extract.write_workers=4: /dev/shm has 0.1 GB free, two shards in flight on 1 rank(s) need 2.4 GB" in caplog.text
+    assert (
+        "extract.write_workers=4: /dev/shm has 0.1 GB free, two shards in flight on 1 rank(s) need 2.4 GB"
+        in caplog.text
+    )
     assert extract._writer_processes(SimpleNamespace(write_workers=1, shard_tokens=8), (8, 4), False) is None
-    monkeypatch.setattr(shard_regions, "shm_free_bytes", lambda: 3 * 2 ** 30)  # room for one rank, not for 8
+    monkeypatch.setattr(shard_regions, "shm_free_bytes", lambda: 3 * 2**30)  # room for one rank, not for 8
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
     with caplog.at_level("WARNING"):
         assert extract._writer_processes(ex, (3 * 576, 576), fp8=False) is None
     assert "two shards in flight on 8 rank(s) need 19.3 GB" in caplog.text
 
 
-def test_a_shard_writer_falls_back_to_its_own_buffers_when_dev_shm_fills_after_the_check(monkeypatch, tmp_path):
-    """The room check is made once; another process may take /dev/shm later. The shared buffers are reserved when
+def test_a_shard_writer_falls_back_to_its_own_buffers_when_dev_shm_fills_after_the_check(
+    monkeypatch, tmp_path
+):
+    """The room check is made once; another process may take /dev/shm later. The shared buffers are reserved
+    when
     made (posix_fallocate), so that is an OSError there, and the shard is written by this process instead."""
     from types import SimpleNamespace
 
@@ -74,8 +88,10 @@ def test_a_shard_writer_falls_back_to_its_own_buffers_when_dev_shm_fills_after_t
         return real(*a, **k)
 
     monkeypatch.setattr(fs, "ShardWriter", no_room)
-    cfg = SimpleNamespace(run_dir=str(tmp_path), extract=SimpleNamespace(chunk_tokens=3, compressor="blosc_lz4", clevel=3,
-                                                                    writer="zarr"))
+    cfg = SimpleNamespace(
+        run_dir=str(tmp_path),
+        extract=SimpleNamespace(chunk_tokens=3, compressor="blosc_lz4", clevel=3, writer="zarr"),
+    )
     monkeypatch.setattr(extract, "out_dir", lambda cfg: tmp_path)
     w = extract._shard_writer(cfg, fs.ShardSpec(0, 0, [2]), {"hidden_size": 4}, (8, 4), shared=True)
     assert isinstance(w, real) and w.shared is None

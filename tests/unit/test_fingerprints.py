@@ -7,24 +7,43 @@ import sys
 
 import pytest
 
-from pipeline.stages import evaluate, train
 from pipeline import runner as stages
 from pipeline.fingerprint import shaping
+from pipeline.stages import evaluate, train
 
 
 def fp(module, make_cfg, run_dir, *overrides):
     return module.fingerprint(make_cfg("+experiment=tiny", *overrides, run_dir=run_dir))
 
 
-@pytest.mark.parametrize("override", ["train.num_workers=4", "train.wandb.mode=disabled", "train.wandb.project=x",
-                                      "train.resume=never", "train.keep_last=9", "train.save_every_steps=7"])
+@pytest.mark.parametrize(
+    "override",
+    [
+        "train.num_workers=4",
+        "train.wandb.mode=disabled",
+        "train.wandb.project=x",
+        "train.resume=never",
+        "train.keep_last=9",
+        "train.save_every_steps=7",
+    ],
+)
 def test_train_knobs_that_cannot_change_the_draft_keep_its_fingerprint(make_cfg, tmp_path, override):
     assert fp(train, make_cfg, tmp_path, override) == fp(train, make_cfg, tmp_path)
 
 
-@pytest.mark.parametrize("override", ["train.lr=1e-3", "train.ttt_steps=2", "seed=1", "train.max_steps=3",
-                                      "train.tokens_per_pack=128", "train.log_every_steps=3", "train.device=cpu",
-                                      "train.adam_betas=[0.9,0.95]"])
+@pytest.mark.parametrize(
+    "override",
+    [
+        "train.lr=1e-3",
+        "train.ttt_steps=2",
+        "seed=1",
+        "train.max_steps=3",
+        "train.tokens_per_pack=128",
+        "train.log_every_steps=3",
+        "train.device=cpu",
+        "train.adam_betas=[0.9,0.95]",
+    ],
+)
 def test_train_knobs_that_shape_the_draft_or_its_curves_change_its_fingerprint(make_cfg, tmp_path, override):
     assert fp(train, make_cfg, tmp_path, override) != fp(train, make_cfg, tmp_path)
 
@@ -36,28 +55,48 @@ def test_the_vocabulary_it_trains_on_is_in_trains_fingerprint(make_cfg, tmp_path
     assert fp(train, make_cfg, tmp_path) != before
 
 
-@pytest.mark.parametrize("override,same", [
-    ("eval.endpoint_timeout_s=5", True), ("eval.concurrency=[4]", True), ("eval.repeats=5", True),
-    ("eval.warmup_prompts=0", True), ("eval.baseline_endpoint=http://b:1", True),  # the offline bench talks to no server
-    ("eval.max_draft=2", False), ("eval.num_prompts=7", False), ("eval.max_new_tokens=9", False),
-    ("eval.device=cpu", False), ("eval.endpoint=http://s:1", False),
-])
+@pytest.mark.parametrize(
+    "override,same",
+    [
+        ("eval.endpoint_timeout_s=5", True),
+        ("eval.concurrency=[4]", True),
+        ("eval.repeats=5", True),
+        ("eval.warmup_prompts=0", True),
+        ("eval.baseline_endpoint=http://b:1", True),  # the offline bench talks to no server
+        ("eval.max_draft=2", False),
+        ("eval.num_prompts=7", False),
+        ("eval.max_new_tokens=9", False),
+        ("eval.device=cpu", False),
+        ("eval.endpoint=http://s:1", False),
+    ],
+)
 def test_offline_evaluate_hashes_what_the_offline_bench_reads(make_cfg, tmp_path, override, same):
     assert (fp(evaluate, make_cfg, tmp_path, override) == fp(evaluate, make_cfg, tmp_path)) is same
 
 
-@pytest.mark.parametrize("override,same", [
-    ("eval.endpoint_timeout_s=5", True), ("eval.max_draft=2", True), ("eval.device=cpu", True),  # not read online
-    ("eval.concurrency=[4]", False), ("eval.repeats=5", False), ("eval.warmup_prompts=0", False),
-    ("eval.baseline_endpoint=http://b:1", False), ("eval.num_prompts=7", False),
-])
+@pytest.mark.parametrize(
+    "override,same",
+    [
+        ("eval.endpoint_timeout_s=5", True),
+        ("eval.max_draft=2", True),
+        ("eval.device=cpu", True),  # not read online
+        ("eval.concurrency=[4]", False),
+        ("eval.repeats=5", False),
+        ("eval.warmup_prompts=0", False),
+        ("eval.baseline_endpoint=http://b:1", False),
+        ("eval.num_prompts=7", False),
+    ],
+)
 def test_online_evaluate_hashes_what_the_online_bench_reads(make_cfg, tmp_path, override, same):
     online = "eval.endpoint=http://s:1"
-    assert (fp(evaluate, make_cfg, tmp_path, online, override) == fp(evaluate, make_cfg, tmp_path, online)) is same
+    assert (
+        fp(evaluate, make_cfg, tmp_path, online, override) == fp(evaluate, make_cfg, tmp_path, online)
+    ) is same
 
 
 def test_first_answer_tokens_is_hashed_only_when_a_second_turn_set_reads_it(make_cfg, tmp_path):
-    """A knob added later (mt_bench_turn2's first answers) leaves earlier evaluate fingerprints as they were."""
+    """A knob added later (mt_bench_turn2's first answers) leaves earlier evaluate fingerprints as they
+    were."""
     change = "eval.first_answer_tokens=17"
     assert fp(evaluate, make_cfg, tmp_path, change) == fp(evaluate, make_cfg, tmp_path)
     turn2 = "eval.sets=[heldout,mt_bench_turn2]"
@@ -65,14 +104,17 @@ def test_first_answer_tokens_is_hashed_only_when_a_second_turn_set_reads_it(make
 
 
 def test_train_pad_packs_null_hashes_as_the_earlier_default(make_cfg, tmp_path):
-    """pad_packs=null (padded on CUDA only) gives the same loss as unpadded: runs trained before it are not retrained."""
+    """pad_packs=null (padded on CUDA only) gives the same loss as unpadded: runs trained before it are not
+    retrained."""
     assert fp(train, make_cfg, tmp_path) == fp(train, make_cfg, tmp_path, "train.pad_packs=false")
     assert fp(train, make_cfg, tmp_path) != fp(train, make_cfg, tmp_path, "train.pad_packs=true")
 
 
 def test_adam_betas_at_the_value_before_the_knob_hashes_as_before_it_existed(make_cfg):
-    """train.adam_betas came after runs were trained with AdamW (0.9, 0.95) hard-coded: at that value it is not
-    hashed, so those runs stay up to date. The default is torch's (0.9, 0.999) now: a default run is another run."""
+    """train.adam_betas came after runs were trained with AdamW (0.9, 0.95) hard-coded: at that value it is
+    not
+    hashed, so those runs stay up to date. The default is torch's (0.9, 0.999) now: a default run is another
+    run."""
     t = make_cfg("+experiment=tiny", "train.adam_betas=[0.9,0.95]").train
     assert "adam_betas" not in train._shaping(t, train.NOT_SHAPING)
     assert list(make_cfg("+experiment=tiny").train.adam_betas) == [0.9, 0.999]
@@ -96,7 +138,9 @@ def finished_train(make_cfg, tmp_path, monkeypatch):
     cfg = make_cfg("+experiment=tiny", "stage=train", run_dir=tmp_path)
     stages.write_record(tmp_path, "train", {"fingerprint": train.fingerprint(cfg)})
     ran = []
-    monkeypatch.setattr(sys.modules["pipeline.stages.train"], "run", lambda cfg: ran.append(cfg) or tmp_path / "train")
+    monkeypatch.setattr(
+        sys.modules["pipeline.stages.train"], "run", lambda cfg: ran.append(cfg) or tmp_path / "train"
+    )
     return tmp_path, ran
 
 
@@ -110,42 +154,64 @@ def test_changing_lr_reruns_train(make_cfg, finished_train):
     run_dir, ran = finished_train
     stages.run_stages(make_cfg("+experiment=tiny", "stage=train", "train.lr=1e-3", run_dir=run_dir))
     assert len(ran) == 1
-    assert json.loads((run_dir / "stages.json").read_text())["train"]["fingerprint"] == train.fingerprint(ran[0])
+    assert json.loads((run_dir / "stages.json").read_text())["train"]["fingerprint"] == train.fingerprint(
+        ran[0]
+    )
 
 
 def test_sglang_knobs_shape_only_sglang_stores(make_cfg, tmp_path):
     from pipeline.stages import extract
+
     hf = fp(extract, make_cfg, tmp_path)
     assert fp(extract, make_cfg, tmp_path, "extract.sglang_attention_backend=triton") == hf
     assert fp(extract, make_cfg, tmp_path, "extract.sglang_mem_fraction=0.3") == hf
     sgl = fp(extract, make_cfg, tmp_path, "extract.backend=sglang")
     assert sgl != hf
-    assert fp(extract, make_cfg, tmp_path, "extract.backend=sglang", "extract.sglang_attention_backend=triton") != sgl
+    assert (
+        fp(extract, make_cfg, tmp_path, "extract.backend=sglang", "extract.sglang_attention_backend=triton")
+        != sgl
+    )
     assert fp(extract, make_cfg, tmp_path, "extract.backend=sglang", "extract.sglang_mem_fraction=0.3") == sgl
 
 
 def test_the_online_sources_hash_leaves_out_the_hosts_compute_dtype_and_nothing_else():
-    """vocab (CPU, fp32) and train (GPU, bf16) may run on different hosts: the online facts' hash must not follow
+    """vocab (CPU, fp32) and train (GPU, bf16) may run on different hosts: the online facts' hash must not
+    follow
     compute_dtype, and must follow every fact that changes the states."""
     import torch
 
     from pipeline.features import OnlineFeatures
 
-    base = {"aux_layer_ids": [1, 3, 4], "hidden_size": 64, "target_fingerprint": "t0", "compute_dtype": "float32",
-            "prepared_fingerprint": "p0", "max_len": 2048}
+    base = {
+        "aux_layer_ids": [1, 3, 4],
+        "hidden_size": 64,
+        "target_fingerprint": "t0",
+        "compute_dtype": "float32",
+        "prepared_fingerprint": "p0",
+        "max_len": 2048,
+    }
 
     def h(**change):
-        return OnlineFeatures({**base, **change}, None, None, None, torch.device("cpu"), torch.float32,
-                              "sdpa").manifest_hash()
+        return OnlineFeatures(
+            {**base, **change}, None, None, None, torch.device("cpu"), torch.float32, "sdpa"
+        ).manifest_hash()
 
     assert h(compute_dtype="bfloat16") == h()
-    for key, value in (("aux_layer_ids", [1, 2, 4]), ("target_fingerprint", "t1"), ("prepared_fingerprint", "p1"),
-                       ("hidden_size", 65), ("max_len", 1024)):
+    for key, value in (
+        ("aux_layer_ids", [1, 2, 4]),
+        ("target_fingerprint", "t1"),
+        ("prepared_fingerprint", "p1"),
+        ("hidden_size", 65),
+        ("max_len", 1024),
+    ):
         assert h(**{key: value}) != h(), key
 
 
-def test_data_extra_sources_reprepares_and_hashes_as_before_the_knob_at_its_default(make_cfg, tmp_path, monkeypatch):
-    """data.extra_sources came after runs were prepared: [] is not hashed (those runs stay up to date); a source
+def test_data_extra_sources_reprepares_and_hashes_as_before_the_knob_at_its_default(
+    make_cfg, tmp_path, monkeypatch
+):
+    """data.extra_sources came after runs were prepared: [] is not hashed (those runs stay up to date); a
+    source
     added is."""
     from omegaconf import OmegaConf
 
@@ -162,4 +228,6 @@ def test_data_extra_sources_reprepares_and_hashes_as_before_the_knob_at_its_defa
     assert seen[-1]["data"] == want  # the data section exactly as hashed before the knobs existed
     monkeypatch.undo()
     for change in ("data.extra_sources=[chatterbot]", "data.on_leak=drop"):
-        assert prepare.fingerprint(make_cfg("+experiment=tiny", change, run_dir=tmp_path)) != prepare.fingerprint(cfg)
+        assert prepare.fingerprint(
+            make_cfg("+experiment=tiny", change, run_dir=tmp_path)
+        ) != prepare.fingerprint(cfg)

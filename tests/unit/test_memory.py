@@ -2,7 +2,8 @@
 
 The real Eagle3DraftModel (random init, two shapes whose dims all differ, so a term counted at the wrong width
 shows) runs one TTT forward and backward under LiveTensors, in fp32 and under bf16 autocast (the GPU's
-setting). After the forward, the live bytes are the activations (+ autocast's cached bf16 weights); the peak of
+setting). After the forward, the live bytes are the activations (+ autocast's cached bf16 weights); the peak
+of
 the backward is bounded by activations + gradients (+ the cache)."""
 
 import pytest
@@ -31,13 +32,24 @@ def test_the_activation_terms_are_what_the_real_draft_keeps(dims, bf16):
 
 def test_fsdp_divides_the_static_state_and_ddp_adds_its_buckets():
     s = memory.DraftShape(8192, 7, 7168, 18432, 64, 64, 128, 32000)
-    p = memory.DraftParams(trainable=961_572_864, frozen=1_633_164_288, largest_unit=1_174_405_120,
-                           linear_trainable=961_544_192, largest_trainable_unit=807_411_712)
+    p = memory.DraftParams(
+        trainable=961_572_864,
+        frozen=1_633_164_288,
+        largest_unit=1_174_405_120,
+        linear_trainable=961_544_192,
+        largest_trainable_unit=807_411_712,
+    )
     one, ddp, fsdp = (memory.estimate(s, p, n, how) for n, how in ((1, "ddp"), (8, "ddp"), (8, "fsdp")))
-    assert ddp["parts"]["DDP gradient buckets (fp32)"] == 4 * p.trainable and "DDP gradient buckets (fp32)" not in one["parts"]
+    assert (
+        ddp["parts"]["DDP gradient buckets (fp32)"] == 4 * p.trainable
+        and "DDP gradient buckets (fp32)" not in one["parts"]
+    )
     assert fsdp["parts"]["AdamW moments (fp32 x 2)"] == ddp["parts"]["AdamW moments (fp32 x 2)"] / 8
-    assert fsdp["peak"] < ddp["peak"] and one["parts"]["activations (TTT forward, kept for backward)"] == \
-        fsdp["parts"]["activations (TTT forward, kept for backward)"]
+    assert (
+        fsdp["peak"] < ddp["peak"]
+        and one["parts"]["activations (TTT forward, kept for backward)"]
+        == fsdp["parts"]["activations (TTT forward, kept for backward)"]
+    )
     with pytest.raises(ValueError, match="ddp or fsdp"):
         memory.estimate(s, p, 8, "zero3")
 
@@ -60,15 +72,20 @@ def test_plan_refuses_a_target_without_a_declared_layer_shape_in_one_line(make_c
 
 
 def test_a_dense_targets_parameters_from_its_declared_shape_are_the_published_count(make_cfg):
-    """Llama-3.1-8B declares no num_parameters: the dense estimate from its layer shape is Meta's 8,030,261,248."""
+    """Llama-3.1-8B declares no num_parameters: the dense estimate from its layer shape is Meta's
+    8,030,261,248."""
     from pipeline.tools import plan
 
     cfg = make_cfg("target=llama3_8b")
-    assert plan.target_parameters(cfg, plan.shape_of(cfg)) == (8_030_261_248, "dense estimate from the layer shape")
+    assert plan.target_parameters(cfg, plan.shape_of(cfg)) == (
+        8_030_261_248,
+        "dense estimate from the layer shape",
+    )
 
 
 def test_plan_counts_the_targets_weights_that_online_features_and_the_tau_probe_hold(make_cfg):
-    """train.features=online: every rank holds the bf16 target; train.eval_tau_every_steps: rank 0 holds it in fp32
+    """train.features=online: every rank holds the bf16 target; train.eval_tau_every_steps: rank 0 holds it
+    in fp32
     (eval.device). Kimi-K2.5's 1.04T parameters make both impossible on one H200, and plan says so."""
     from pipeline.tools import plan
 
@@ -81,17 +98,31 @@ def test_plan_counts_the_targets_weights_that_online_features_and_the_tau_probe_
     assert online["parts"][plan.ONLINE_TARGET] == 2 * n and online["peak"] == off["peak"] + 2 * n
     assert probe["parts"][plan.PROBE_TARGET] == 4 * n and probe["peak"] == off["peak"] + 4 * n
     assert plan.PROBE_TARGET not in probe_cpu["parts"] and probe_cpu["peak"] == off["peak"]
-    cpu_plan = plan.compute(make_cfg(*base, "train.eval_tau_every_steps=100", "plan.precision=fp32"))  # eval.device=auto
-    assert plan.PROBE_TARGET not in cpu_plan["parts"]  # auto follows the planned run: on the CPU, not in GPU memory
-    kimi = plan.compute(make_cfg("target=kimi_k25", "train.tokens_per_pack=8192", "plan.world_size=8",
-                                 "train.strategy=fsdp", "train.features=online"))
+    cpu_plan = plan.compute(
+        make_cfg(*base, "train.eval_tau_every_steps=100", "plan.precision=fp32")
+    )  # eval.device=auto
+    assert (
+        plan.PROBE_TARGET not in cpu_plan["parts"]
+    )  # auto follows the planned run: on the CPU, not in GPU memory
+    kimi = plan.compute(
+        make_cfg(
+            "target=kimi_k25",
+            "train.tokens_per_pack=8192",
+            "plan.world_size=8",
+            "train.strategy=fsdp",
+            "train.features=online",
+        )
+    )
     assert kimi["target_parameters"] == 1_040_000_000_000 and not kimi["fits"]
 
 
 def test_attention_pairs_are_the_nonzeros_of_speculators_mask_at_every_ttt_step():
     """The model-FLOPs count of the MFU bench: pairs per TTT step == the dense mask speculators builds (three
     documents and padding), extended by one diagonal block per step as its forward does."""
-    from speculators.models.eagle3.attention import create_combined_mask_mod, extend_dense_mask_for_draft_tokens
+    from speculators.models.eagle3.attention import (
+        create_combined_mask_mod,
+        extend_dense_mask_for_draft_tokens,
+    )
 
     doc = torch.tensor([0] * 5 + [1] * 9 + [2] * 3 + [-1] * 4)
     T = doc.numel()
@@ -101,7 +132,9 @@ def test_attention_pairs_are_the_nonzeros_of_speculators_mask_at_every_ttt_step(
     got = memory.attention_pairs(doc, 4)
     want = []
     for _ in range(4):
-        want.append(int(mask[0, 0][doc != -1].sum()))  # padding's rows keep their diagonals: not the model's work
+        want.append(
+            int(mask[0, 0][doc != -1].sum())
+        )  # padding's rows keep their diagonals: not the model's work
         mask = extend_dense_mask_for_draft_tokens(mask, T)
     assert got == want
     assert memory.attention_model_flops(doc, 4, heads=2, head_dim=8) == 12 * 2 * 8 * sum(want)

@@ -1,23 +1,42 @@
-"""doctor.parse_launch: which engine a launch line starts, with which algorithm and draft (issue #12 B6, B20)."""
+"""doctor.parse_launch: which engine a launch line starts, with which algorithm and draft (issue #12 B6,
+B20)."""
 
 import pytest
 
-from pipeline.tools.doctor import parse_launch
 from pipeline.errors import UserError
+from pipeline.tools.doctor import parse_launch
 
 
-@pytest.mark.parametrize("line,want", [
-    ("python -m sglang.launch_server --model-path /m --speculative-algorithm EAGLE3 --speculative-draft-model-path /d",
-     {"engine": "sglang", "algorithm": "EAGLE3", "draft": "/d"}),
-    (("CUDA_VISIBLE_DEVICES=0 python3 -m sglang.launch_server --model-path /m --speculative_algorithm=EAGLE "
-      "--speculative-draft-model-path=/d"), {"engine": "sglang", "algorithm": "EAGLE", "draft": "/d"}),
-    ("""vllm serve /m --speculative-config '{"method": "eagle3", "model": "/d"}'""",
-     {"engine": "vllm", "algorithm": "eagle3", "draft": "/d"}),
-    # a vLLM line whose paths say "sglang" is still a vLLM line (it was read as SGLang and given SGLang's fix)
-    ("""vllm serve /models/sglang-target --speculative-config '{"method": "eagle3", "model": "runs/x/export/sglang"}'""",
-     {"engine": "vllm", "algorithm": "eagle3", "draft": "runs/x/export/sglang"}),
-    ("/opt/venv/bin/vllm serve /m", {"engine": "vllm", "algorithm": None, "draft": None}),
-])
+@pytest.mark.parametrize(
+    "line,want",
+    [
+        (
+            "python -m sglang.launch_server --model-path /m --speculative-algorithm EAGLE3 "
+            "--speculative-draft-model-path /d",
+            {"engine": "sglang", "algorithm": "EAGLE3", "draft": "/d"},
+        ),
+        (
+            (
+                "CUDA_VISIBLE_DEVICES=0 python3 -m sglang.launch_server --model-path /m "
+                "--speculative_algorithm=EAGLE "
+                "--speculative-draft-model-path=/d"
+            ),
+            {"engine": "sglang", "algorithm": "EAGLE", "draft": "/d"},
+        ),
+        (
+            """vllm serve /m --speculative-config '{"method": "eagle3", "model": "/d"}'""",
+            {"engine": "vllm", "algorithm": "eagle3", "draft": "/d"},
+        ),
+        # a vLLM line whose paths say "sglang" is still a vLLM line (it was read as SGLang and given SGLang's
+        # fix)
+        (
+            "vllm serve /models/sglang-target --speculative-config "
+            """'{"method": "eagle3", "model": "runs/x/export/sglang"}'""",
+            {"engine": "vllm", "algorithm": "eagle3", "draft": "runs/x/export/sglang"},
+        ),
+        ("/opt/venv/bin/vllm serve /m", {"engine": "vllm", "algorithm": None, "draft": None}),
+    ],
+)
 def test_the_engine_is_read_from_the_program_not_from_paths(line, want):
     assert parse_launch(line) == want
 
@@ -32,34 +51,58 @@ def test_a_line_of_neither_engine_is_refused():
         parse_launch("python serve.py --model /runs/sglang/x")
 
 
-@pytest.mark.parametrize("line,want", [
-    # boolean flags take no value: the next option is not swallowed as one
-    (("python -m sglang.launch_server --model-path /m --trust-remote-code --speculative-algorithm EAGLE3 "
-      "--enable-torch-compile --speculative-draft-model-path /d"),
-     {"engine": "sglang", "algorithm": "EAGLE3", "draft": "/d"}),
-    # the last spelling of a repeated option wins, as with argparse
-    ("python -m sglang.launch_server --speculative-algorithm EAGLE --speculative-algorithm EAGLE3",
-     {"engine": "sglang", "algorithm": "EAGLE3", "draft": None}),
-    # a quoted draft path with spaces stays one path
-    ("python -m sglang.launch_server --speculative-algorithm EAGLE3 --speculative-draft-model-path '/my runs/x/export/sglang'",
-     {"engine": "sglang", "algorithm": "EAGLE3", "draft": "/my runs/x/export/sglang"}),
-    # no speculation at all: nothing to read, and nothing invented
-    ("python -m sglang.launch_server --model-path /m --tp 2", {"engine": "sglang", "algorithm": None, "draft": None}),
-    # vLLM's module entry point and the --opt=value spelling of the JSON
-    ("""python -m vllm.entrypoints.openai.api_server --model /m --speculative-config='{"method":"eagle3","model":"/d"}'""",
-     {"engine": "vllm", "algorithm": "eagle3", "draft": "/d"}),
-    ("""/usr/bin/python3.11 -m vllm.entrypoints.openai.api_server --speculative_config '{"model": "/d"}'""",
-     {"engine": "vllm", "algorithm": None, "draft": "/d"}),
-])
+@pytest.mark.parametrize(
+    "line,want",
+    [
+        # boolean flags take no value: the next option is not swallowed as one
+        (
+            (
+                "python -m sglang.launch_server --model-path /m --trust-remote-code --speculative-algorithm "
+                "EAGLE3 "
+                "--enable-torch-compile --speculative-draft-model-path /d"
+            ),
+            {"engine": "sglang", "algorithm": "EAGLE3", "draft": "/d"},
+        ),
+        # the last spelling of a repeated option wins, as with argparse
+        (
+            "python -m sglang.launch_server --speculative-algorithm EAGLE --speculative-algorithm EAGLE3",
+            {"engine": "sglang", "algorithm": "EAGLE3", "draft": None},
+        ),
+        # a quoted draft path with spaces stays one path
+        (
+            "python -m sglang.launch_server --speculative-algorithm EAGLE3 --speculative-draft-model-path "
+            "'/my runs/x/export/sglang'",
+            {"engine": "sglang", "algorithm": "EAGLE3", "draft": "/my runs/x/export/sglang"},
+        ),
+        # no speculation at all: nothing to read, and nothing invented
+        (
+            "python -m sglang.launch_server --model-path /m --tp 2",
+            {"engine": "sglang", "algorithm": None, "draft": None},
+        ),
+        # vLLM's module entry point and the --opt=value spelling of the JSON
+        (
+            "python -m vllm.entrypoints.openai.api_server --model /m "
+            """--speculative-config='{"method":"eagle3","model":"/d"}'""",
+            {"engine": "vllm", "algorithm": "eagle3", "draft": "/d"},
+        ),
+        (
+            "/usr/bin/python3.11 -m vllm.entrypoints.openai.api_server "
+            """--speculative_config '{"model": "/d"}'""",
+            {"engine": "vllm", "algorithm": None, "draft": "/d"},
+        ),
+    ],
+)
 def test_options_are_read_like_argparse_reads_them(line, want):
     assert parse_launch(line) == want
-
 
 
 def test_interpreter_flags_before_dash_m_do_not_hide_the_engine():
     """`python -u -m sglang.launch_server …` was refused as naming neither engine (found in review, #12)."""
     from pipeline.tools.doctor import parse_launch
-    got = parse_launch("python -u -X faulthandler -m sglang.launch_server --model-path /t "
-                       "--speculative-algorithm EAGLE3 --speculative-draft-model-path /d")
+
+    got = parse_launch(
+        "python -u -X faulthandler -m sglang.launch_server --model-path /t "
+        "--speculative-algorithm EAGLE3 --speculative-draft-model-path /d"
+    )
     assert got == {"engine": "sglang", "algorithm": "EAGLE3", "draft": "/d"}
     assert parse_launch("python3 -O -m vllm.entrypoints.openai.api_server --model /t")["engine"] == "vllm"

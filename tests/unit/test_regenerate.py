@@ -1,20 +1,33 @@
-"""Regeneration through a real OpenAI-compatible HTTP server (tests/openai_test_server.py, the external boundary):
+"""Regeneration through a real OpenAI-compatible HTTP server (tests/openai_test_server.py, the external
+boundary):
 per-conversation turns, the journal a rerun resumes from, retries, failure counts, stats."""
 
 import json
 
+import openai_test_server as ts
 import pytest
 
-import openai_test_server as ts
 from pipeline.data.journal import Journal
 from pipeline.errors import UserError
 from pipeline.formats.prepared import load as load_prepared
 from pipeline.stages import prepare
 
-# 6 conversations, 1 to 3 assistant turns each: 12 turns, every reply asked from the regenerated prefix before it
-CONVS = [{"id": f"c{n}", "messages": [m for t in range(turns) for m in (
-    {"role": "user", "content": f"question {t} of conversation {n}"}, {"role": "assistant", "content": "old"})]}
-    for n, turns in enumerate([1, 3, 2, 1, 3, 2])]
+# 6 conversations, 1 to 3 assistant turns each: 12 turns, every reply asked from the regenerated prefix before
+# it
+CONVS = [
+    {
+        "id": f"c{n}",
+        "messages": [
+            m
+            for t in range(turns)
+            for m in (
+                {"role": "user", "content": f"question {t} of conversation {n}"},
+                {"role": "assistant", "content": "old"},
+            )
+        ],
+    }
+    for n, turns in enumerate([1, 3, 2, 1, 3, 2])
+]
 TURNS = 12
 
 
@@ -23,11 +36,22 @@ def run(make_cfg, tmp_path, tiny_folder):
     (tmp_path / "d.jsonl").write_text("".join(json.dumps(c) + "\n" for c in CONVS))
 
     def go(name, url, *overrides):
-        cfg = make_cfg("target=tiny", "data=messages", f"data.path={tmp_path / 'd.jsonl'}", "data.shuffle=false",
-                       "prepare.regenerate=true", f"prepare.regenerate_endpoint={url}", "prepare.endpoint_backoff_s=0.01",
-                       "prepare.endpoint_retries=2", "prepare.endpoint_concurrency=3", *overrides, run_dir=tmp_path / name)
+        cfg = make_cfg(
+            "target=tiny",
+            "data=messages",
+            f"data.path={tmp_path / 'd.jsonl'}",
+            "data.shuffle=false",
+            "prepare.regenerate=true",
+            f"prepare.regenerate_endpoint={url}",
+            "prepare.endpoint_backoff_s=0.01",
+            "prepare.endpoint_retries=2",
+            "prepare.endpoint_concurrency=3",
+            *overrides,
+            run_dir=tmp_path / name,
+        )
         prepare.run(cfg)
         return load_prepared(tmp_path / name)
+
     return go
 
 
@@ -40,8 +64,11 @@ def prefixes(posts):
 
 
 def journal_lines(run_dir):
-    return [json.loads(line) for f in (run_dir / "prepared.partial").glob("regenerate-*.jsonl")
-            for line in f.read_text().splitlines()]
+    return [
+        json.loads(line)
+        for f in (run_dir / "prepared.partial").glob("regenerate-*.jsonl")
+        for line in f.read_text().splitlines()
+    ]
 
 
 def test_each_turn_is_asked_from_the_regenerated_turns_before_it(run):
@@ -49,11 +76,17 @@ def test_each_turn_is_asked_from_the_regenerated_turns_before_it(run):
     ds, stats = run("a", server.url)
     server.shutdown()
     assert len(server.posts) == TURNS and stats["regenerate"]["turns_replaced"] == TURNS
-    for p in server.posts:  # every assistant turn in a prefix is the server's own answer to what came before it
+    for (
+        p
+    ) in server.posts:  # every assistant turn in a prefix is the server's own answer to what came before it
         msgs = p["messages"]
-        assert all(m["content"] == ts.chat_reply(msgs[:i]) for i, m in enumerate(msgs) if m["role"] == "assistant")
+        assert all(
+            m["content"] == ts.chat_reply(msgs[:i]) for i, m in enumerate(msgs) if m["role"] == "assistant"
+        )
     r = stats["regenerate"]
-    assert r["requests"] == TURNS and r["retries"] == 0 and r["failures"] == {} and r["turns_from_journal"] == 0
+    assert (
+        r["requests"] == TURNS and r["retries"] == 0 and r["failures"] == {} and r["turns_from_journal"] == 0
+    )
     assert r["completion_tokens"] == sum(len(ts.chat_reply(p["messages"]).split()) for p in server.posts)
     assert r["tokens_per_s"] > 0 and r["wall_s"] > 0
 
@@ -63,8 +96,11 @@ def test_a_server_dying_mid_run_is_one_line_and_the_rerun_asks_only_for_what_was
     ref_ds, _ = run("ref", ref.url)
     ref.shutdown()
     dying = ts.start(die_after=5)
-    with pytest.raises(UserError, match=r"not finished .*is the server running.*5 replies are committed.*rerun the "
-                                        r"same command to resume") as e:
+    with pytest.raises(
+        UserError,
+        match=r"not finished .*is the server running.*5 replies are committed.*rerun the "
+        r"same command to resume",
+    ) as e:
         run("b", dying.url)
     assert "\n" not in str(e.value)
     assert not (tmp_path / "b" / "prepared" / "stats.json").exists()
@@ -74,7 +110,9 @@ def test_a_server_dying_mid_run_is_one_line_and_the_rerun_asks_only_for_what_was
     back.shutdown()
     first, second = prefixes(dying.posts[:5]), prefixes(back.posts)
     assert not set(first) & set(second)  # no committed turn asked again
-    assert sorted(first + second) == sorted(prefixes(ref.posts))  # no gap: every turn asked exactly once overall
+    assert sorted(first + second) == sorted(
+        prefixes(ref.posts)
+    )  # no gap: every turn asked exactly once overall
     assert rows(ds) == rows(ref_ds) and stats["regenerate"]["turns_from_journal"] == 5
     assert stats["regenerate"]["requests"] == TURNS - 5
 
@@ -84,14 +122,26 @@ def test_500s_then_recovery_are_retried_and_counted(run):
     _, stats = run("a", server.url, "prepare.endpoint_concurrency=1")
     server.shutdown()
     r = stats["regenerate"]
-    assert r["failures"] == {} and r["retries"] == 2 and r["requests"] == TURNS + 2 and r["turns_replaced"] == TURNS
+    assert (
+        r["failures"] == {}
+        and r["retries"] == 2
+        and r["requests"] == TURNS + 2
+        and r["turns_replaced"] == TURNS
+    )
 
 
 @pytest.mark.parametrize("how, reason", [("500", "HTTP 5xx"), ("empty", "empty reply")])
-def test_a_turn_that_keeps_failing_is_counted_in_one_line_and_committed_turns_stay(run, tmp_path, how, reason):
-    server = ts.start(bad={"question 1 of": how})  # the second turn of c1, c2, c4, c5; their third never asked
-    with pytest.raises(UserError, match=rf"4 of 6 conversations not finished after 2 retries per request \(4 {reason}\); "
-                                        r"6 replies are committed") as e:
+def test_a_turn_that_keeps_failing_is_counted_in_one_line_and_committed_turns_stay(
+    run, tmp_path, how, reason
+):
+    server = ts.start(
+        bad={"question 1 of": how}
+    )  # the second turn of c1, c2, c4, c5; their third never asked
+    with pytest.raises(
+        UserError,
+        match=rf"4 of 6 conversations not finished after 2 retries per request \(4 {reason}\); "
+        r"6 replies are committed",
+    ) as e:
         run("a", server.url)
     server.shutdown()
     assert "\n" not in str(e.value) and "is the server running" not in str(e.value)
@@ -141,7 +191,8 @@ def test_replies_without_usage_are_counted_with_the_tokenizer(run, tiny_folder, 
     server.shutdown()
     tok = targets.load_tokenizer(tiny_folder, make_cfg("target=tiny").target)
     assert stats["regenerate"]["completion_tokens"] == sum(
-        len(tok(ts.chat_reply(p["messages"]), add_special_tokens=False)["input_ids"]) for p in server.posts)
+        len(tok(ts.chat_reply(p["messages"]), add_special_tokens=False)["input_ids"]) for p in server.posts
+    )
 
 
 def test_an_endpoint_down_at_the_start_is_one_line_naming_it(run):
@@ -149,7 +200,9 @@ def test_an_endpoint_down_at_the_start_is_one_line_naming_it(run):
     url = server.url
     server.shutdown()
     server.server_close()
-    with pytest.raises(UserError, match=rf"regenerate endpoint {url}: not reachable .*is the server running\?$"):
+    with pytest.raises(
+        UserError, match=rf"regenerate endpoint {url}: not reachable .*is the server running\?$"
+    ):
         run("a", url)
 
 
@@ -167,31 +220,58 @@ def test_the_journal_cuts_a_garbled_last_line_and_refuses_a_damaged_earlier_one(
         Journal(tmp_path, "f")
 
 
-@pytest.mark.parametrize("overrides, message", [
-    (["prepare.synthesize=4"], "prepare.synthesize needs prepare.regenerate=true"),
-    (["prepare.regenerate=true", "prepare.regenerate_server.engine=sglang", "prepare.regenerate_endpoint=http://x:1"],
-     "regenerate_server.engine=sglang and prepare.regenerate_endpoint are both set"),
-    (["prepare.regenerate_server.engine=vllm"], "regenerate_server.engine=vllm but prepare.regenerate=false"),
-    (["prepare.regenerate=true", "prepare.endpoint_concurrency=0"], r"prepare.endpoint_concurrency=0 \(>= 1\)")])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["prepare.synthesize=4"], "prepare.synthesize needs prepare.regenerate=true"),
+        (
+            [
+                "prepare.regenerate=true",
+                "prepare.regenerate_server.engine=sglang",
+                "prepare.regenerate_endpoint=http://x:1",
+            ],
+            "regenerate_server.engine=sglang and prepare.regenerate_endpoint are both set",
+        ),
+        (
+            ["prepare.regenerate_server.engine=vllm"],
+            "regenerate_server.engine=vllm but prepare.regenerate=false",
+        ),
+        (
+            ["prepare.regenerate=true", "prepare.endpoint_concurrency=0"],
+            r"prepare.endpoint_concurrency=0 \(>= 1\)",
+        ),
+    ],
+)
 def test_check_refuses_generation_settings_that_cannot_work(make_cfg, tmp_path, overrides, message):
     with pytest.raises(UserError, match=message):
         prepare.check(make_cfg("target=tiny", *overrides, run_dir=tmp_path))
 
 
-def test_how_replies_are_fetched_is_not_in_prepares_fingerprint_what_shapes_them_is(make_cfg, tmp_path, tiny_folder):
+def test_how_replies_are_fetched_is_not_in_prepares_fingerprint_what_shapes_them_is(
+    make_cfg, tmp_path, tiny_folder
+):
     base = ["target=tiny", "prepare.regenerate=true"]
     fp = prepare.fingerprint(make_cfg(*base, run_dir=tmp_path))
-    for same in ("prepare.regenerate_endpoint=http://127.0.0.1:9", "prepare.endpoint_concurrency=3",
-                 "prepare.endpoint_retries=1", "prepare.regenerate_server.port=31000"):
+    for same in (
+        "prepare.regenerate_endpoint=http://127.0.0.1:9",
+        "prepare.endpoint_concurrency=3",
+        "prepare.endpoint_retries=1",
+        "prepare.regenerate_server.port=31000",
+    ):
         assert prepare.fingerprint(make_cfg(*base, same, run_dir=tmp_path)) == fp, same
     for other in ("prepare.max_new_tokens=7", "prepare.on_failed_request=drop", "prepare.synthesize=3"):
         assert prepare.fingerprint(make_cfg(*base, other, run_dir=tmp_path)) != fp, other
 
 
-def test_a_prompt_of_max_len_tokens_or_more_is_never_sent_and_its_conversation_is_cut_with_a_count(run, tiny_folder):
-    """A turn whose prompt holds >= prepare.max_len tokens would never be trained on (samples are cut there), and a
-    server refuses one longer than its context (HTTP 400 on the H200): the conversation is cut before it, or dropped
-    when nothing is left, and counted; the server never sees such a prompt, also on a later turn whose prompt grew
+def test_a_prompt_of_max_len_tokens_or_more_is_never_sent_and_its_conversation_is_cut_with_a_count(
+    run, tiny_folder
+):
+    """A turn whose prompt holds >= prepare.max_len tokens would never be trained on (samples are cut there),
+    and a
+    server refuses one longer than its context (HTTP 400 on the H200): the conversation is cut before it, or
+    dropped
+    when nothing is left, and counted; the server never sees such a prompt, also on a later turn whose prompt
+    grew
     long only through the regenerated answers before it."""
     from transformers import AutoTokenizer
 
@@ -199,8 +279,15 @@ def test_a_prompt_of_max_len_tokens_or_more_is_never_sent_and_its_conversation_i
     server = ts.start()
     ds, stats = run("long", server.url, "prepare.max_len=45")
     server.shutdown()
-    lengths = [len(tok(tok.apply_chat_template(p["messages"], tokenize=False, add_generation_prompt=True),
-                       add_special_tokens=False)["input_ids"]) for p in server.posts]
+    lengths = [
+        len(
+            tok(
+                tok.apply_chat_template(p["messages"], tokenize=False, add_generation_prompt=True),
+                add_special_tokens=False,
+            )["input_ids"]
+        )
+        for p in server.posts
+    ]
     r = stats["regenerate"]
     assert lengths and max(lengths) < 45
     assert r["cut_at_a_long_prompt"] > 0  # later turns that grew long through regenerated answers

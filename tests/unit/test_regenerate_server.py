@@ -1,4 +1,5 @@
-"""The server prepare starts (pipeline/serving/regenerate_server.py), on CPU: its launch line, readiness, and that
+"""The server prepare starts (pipeline/serving/regenerate_server.py), on CPU: its launch line, readiness, and
+that
 exactly its process group is stopped on every way out. The "engine" is tests/openai_test_server.py run through
 `engine=command` (the external boundary: any OpenAI-compatible server's launch line)."""
 
@@ -16,8 +17,8 @@ import pytest
 from omegaconf import OmegaConf
 
 from pipeline.config import RegenerateServerConfig, ServerEngine
-from pipeline.serving import regenerate_server as local_server
 from pipeline.errors import UserError
+from pipeline.serving import regenerate_server as local_server
 
 SERVER = str(Path(__file__).resolve().parents[1] / "openai_test_server.py")
 
@@ -27,8 +28,12 @@ def server_cfg(**kw):
 
 
 def fake(**kw):
-    return server_cfg(engine=ServerEngine.command, command=["{python}", SERVER, "--port", "{port}"],
-                      startup_timeout_s=30, **kw)
+    return server_cfg(
+        engine=ServerEngine.command,
+        command=["{python}", SERVER, "--port", "{port}"],
+        startup_timeout_s=30,
+        **kw,
+    )
 
 
 def pid_in(log: Path) -> int:
@@ -46,15 +51,43 @@ def gone(pid: int) -> bool:
 def test_launch_lines_for_the_engines_use_the_target_folder_port_and_extra_args(tmp_path):
     sg = server_cfg(engine=ServerEngine.sglang, python="/py", args=["--tp-size", "8"], mem_fraction=0.85)
     assert local_server.launch_line(sg, tmp_path, 31000) == [
-        "/py", "-m", "sglang.launch_server", "--model-path", str(tmp_path), "--host", "127.0.0.1", "--port", "31000",
-        "--mem-fraction-static", "0.85", "--tp-size", "8"]
+        "/py",
+        "-m",
+        "sglang.launch_server",
+        "--model-path",
+        str(tmp_path),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "31000",
+        "--mem-fraction-static",
+        "0.85",
+        "--tp-size",
+        "8",
+    ]
     vl = server_cfg(engine=ServerEngine.vllm)
     assert local_server.launch_line(vl, tmp_path, 8000) == [
-        sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(tmp_path), "--host", "127.0.0.1",
-        "--port", "8000"]
-    assert local_server.launch_line(vl, tmp_path, 8000, "smol")[-2:] == ["--served-model-name", "smol"]  # vLLM 404s others
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(tmp_path),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "8000",
+    ]
+    assert local_server.launch_line(vl, tmp_path, 8000, "smol")[-2:] == [
+        "--served-model-name",
+        "smol",
+    ]  # vLLM 404s others
     # SGLang's decode graphs cover the batch prepare keeps in flight, unless the user's args set it
-    assert local_server.launch_line(sg, tmp_path, 1, None, 256)[-4:] == ["--cuda-graph-max-bs", "256", "--tp-size", "8"]
+    assert local_server.launch_line(sg, tmp_path, 1, None, 256)[-4:] == [
+        "--cuda-graph-max-bs",
+        "256",
+        "--tp-size",
+        "8",
+    ]
     own = server_cfg(engine=ServerEngine.sglang, args=["--cuda-graph-max-bs", "64"])
     assert local_server.launch_line(own, tmp_path, 1, None, 256).count("--cuda-graph-max-bs") == 1
     with pytest.raises(UserError, match="engine=command needs prepare.regenerate_server.command"):
@@ -83,13 +116,18 @@ def test_an_exception_in_the_block_stops_the_server_and_propagates(tmp_path):
 
 def test_sigterm_to_eaglepipe_stops_the_server_it_started(tmp_path):
     log = tmp_path / "server.log"
-    code = ("import sys, time; from pathlib import Path; from omegaconf import OmegaConf;"
-            "from pipeline.config import RegenerateServerConfig; from pipeline.serving import regenerate_server as local_server;"
-            f"sc = OmegaConf.structured(RegenerateServerConfig(engine='command', command=json_cmd));"
-            f"cm = local_server.serving(sc, Path('.'), Path({str(log)!r}));"
-            "url = cm.__enter__(); print('ready', flush=True); time.sleep(60)")
+    code = (
+        "import sys, time; from pathlib import Path; from omegaconf import OmegaConf;"
+        "from pipeline.config import RegenerateServerConfig; from pipeline.serving import regenerate_server "
+        "as local_server;"
+        f"sc = OmegaConf.structured(RegenerateServerConfig(engine='command', command=json_cmd));"
+        f"cm = local_server.serving(sc, Path('.'), Path({str(log)!r}));"
+        "url = cm.__enter__(); print('ready', flush=True); time.sleep(60)"
+    )
     cmd = json.dumps(["{python}", SERVER, "--port", "{port}"])
-    child = subprocess.Popen([sys.executable, "-c", f"json_cmd = {cmd}; " + code], stdout=subprocess.PIPE, text=True)
+    child = subprocess.Popen(
+        [sys.executable, "-c", f"json_cmd = {cmd}; " + code], stdout=subprocess.PIPE, text=True
+    )
     assert child.stdout.readline().strip() == "ready"
     pid = pid_in(log)
     child.send_signal(signal.SIGTERM)
@@ -98,17 +136,33 @@ def test_sigterm_to_eaglepipe_stops_the_server_it_started(tmp_path):
 
 
 def test_a_server_that_exits_before_ready_is_one_line_with_its_log(tmp_path):
-    sc = server_cfg(engine=ServerEngine.command, command=["{python}", "-c", "print('CUDA out of memory'); raise SystemExit(3)"])
-    with pytest.raises(UserError, match=r"regenerate server: exited with code 3; its log ends: CUDA out of memory"):
+    sc = server_cfg(
+        engine=ServerEngine.command,
+        command=["{python}", "-c", "print('CUDA out of memory'); raise SystemExit(3)"],
+    )
+    with pytest.raises(
+        UserError, match=r"regenerate server: exited with code 3; its log ends: CUDA out of memory"
+    ):
         with local_server.serving(sc, tmp_path, tmp_path / "server.log"):
             pass
 
 
 def test_a_server_not_ready_in_time_is_stopped_and_named_with_its_log(tmp_path):
-    sc = server_cfg(engine=ServerEngine.command, startup_timeout_s=1,
-                    command=["{python}", "-c", "import os, time; print('loading', os.getpid(), flush=True); time.sleep(60)"])
+    sc = server_cfg(
+        engine=ServerEngine.command,
+        startup_timeout_s=1,
+        command=[
+            "{python}",
+            "-c",
+            "import os, time; print('loading', os.getpid(), flush=True); time.sleep(60)",
+        ],
+    )
     t = time.monotonic()
-    with pytest.raises(UserError, match=r"not healthy within 1 s \(prepare.regenerate_server.startup_timeout_s\); its log ends: loading") as e:
+    with pytest.raises(
+        UserError,
+        match=r"not healthy within 1 s \(prepare.regenerate_server.startup_timeout_s\); "
+        r"its log ends: loading",
+    ) as e:
         with local_server.serving(sc, tmp_path, tmp_path / "server.log"):
             pass
     assert gone(int(str(e.value).split("loading ")[1].split()[0])) and time.monotonic() - t < 15
@@ -119,9 +173,14 @@ def test_prepare_regenerates_through_the_server_it_starts(make_cfg, tmp_path, ti
     from pipeline.stages import prepare
 
     requests = tmp_path / "requests.jsonl"
-    cfg = make_cfg("target=tiny", "data.limit=3", "prepare.regenerate=true", "prepare.regenerate_server.engine=command",
-                   f'prepare.regenerate_server.command=["{{python}}",{SERVER},--port,"{{port}}",--requests-log,{requests}]',
-                   run_dir=tmp_path / "r")
+    cfg = make_cfg(
+        "target=tiny",
+        "data.limit=3",
+        "prepare.regenerate=true",
+        "prepare.regenerate_server.engine=command",
+        f'prepare.regenerate_server.command=["{{python}}",{SERVER},--port,"{{port}}",--requests-log,{requests}]',
+        run_dir=tmp_path / "r",
+    )
     prepare.run(cfg)
     ds, stats = load_prepared(tmp_path / "r")
     log = tmp_path / "r" / "prepared.partial" / "server.log"

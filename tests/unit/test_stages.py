@@ -48,16 +48,24 @@ def fakes(monkeypatch):
         pkg = "tools" if name in stages.TOOLS else "stages"
         monkeypatch.setitem(sys.modules, f"pipeline.{pkg}.{name}", fake.module())
     reported = []
-    monkeypatch.setattr("pipeline.summary.report", lambda run_dir, order, ran: reported.append((list(order), set(ran))))
+    monkeypatch.setattr(
+        "pipeline.summary.report", lambda run_dir, order, ran: reported.append((list(order), set(ran)))
+    )
     return types.SimpleNamespace(made=made, calls=calls, reported=reported)
 
 
 def cfg_for(stage, run_dir, features="offline"):
-    # the sections the runner's own cross-stage checks read (resume vs a rebuilt vocab, the held-out split, where
+    # the sections the runner's own cross-stage checks read (resume vs a rebuilt vocab, the held-out split,
+    # where
     # the states come from)
-    return OmegaConf.create({"stage": stage, "run_dir": str(run_dir),
-                             "train": {"resume": "auto", "val_fraction": 0.1, "features": features},
-                             "vocab": {"draft_vocab_size": 8}})
+    return OmegaConf.create(
+        {
+            "stage": stage,
+            "run_dir": str(run_dir),
+            "train": {"resume": "auto", "val_fraction": 0.1, "features": features},
+            "vocab": {"draft_vocab_size": 8},
+        }
+    )
 
 
 def runs(calls):
@@ -139,7 +147,10 @@ def test_a_tool_runs_without_checks_fingerprints_or_records(fakes, tmp_path, too
 def test_every_problem_of_every_selected_stage_is_reported_before_anything_runs(fakes, tmp_path):
     made = fakes.made
     calls = fakes.calls
-    made["train"].problem, made["evaluate"].problem = "train.lr=0 must be > 0", "eval.max_draft=0 must be >= 1"
+    made["train"].problem, made["evaluate"].problem = (
+        "train.lr=0 must be > 0",
+        "eval.max_draft=0 must be >= 1",
+    )
     with pytest.raises(UserError) as e:
         stages.run_stages(cfg_for("all", tmp_path / "run"))
     assert str(e.value) == "train: train.lr=0 must be > 0; evaluate: eval.max_draft=0 must be >= 1"
@@ -185,7 +196,10 @@ def test_a_skipped_stage_whose_input_is_gone_says_so(make_cfg, tmp_path, caplog)
     (tmp_path / "vocab").mkdir()
     (tmp_path / "vocab" / "manifest.json").write_text(json.dumps({"draft_vocab_size": 256}))
     from pipeline.stages import vocab
-    stages.write_record(tmp_path, "vocab", {"fingerprint": vocab.fingerprint(cfg)})  # as if built, then features deleted
+
+    stages.write_record(
+        tmp_path, "vocab", {"fingerprint": vocab.fingerprint(cfg)}
+    )  # as if built, then features deleted
     caplog.set_level(logging.INFO)
     stages.run_stages(cfg)
     assert "stage vocab: up to date" in caplog.text

@@ -6,10 +6,10 @@ from types import SimpleNamespace
 import pytest
 from omegaconf import OmegaConf
 
-from pipeline.stages import train
 from pipeline.config import Resume, TrainConfig
 from pipeline.errors import UserError
 from pipeline.formats import checkpoint as ckpt
+from pipeline.stages import train
 
 UPSTREAM = {"features_manifest_hash": "f1", "train_config_hash": "t1"}
 
@@ -46,8 +46,17 @@ def cfg(resume=Resume.auto, seed=0):
 
 
 def save(s, step, epoch=0, done=0, seed=0, upstream=UPSTREAM, keep_last=3):
-    train._save(s, {"optimizer_step": step, "epoch": epoch, "packs_done_in_epoch": done,
-                    "seed": seed, "upstream": dict(upstream)}, keep_last)
+    train._save(
+        s,
+        {
+            "optimizer_step": step,
+            "epoch": epoch,
+            "packs_done_in_epoch": done,
+            "seed": seed,
+            "upstream": dict(upstream),
+        },
+        keep_last,
+    )
 
 
 def test_save_writes_the_accelerator_state_into_tmp_then_publishes_the_step(tmp_path):
@@ -100,8 +109,11 @@ def test_resume_never_starts_at_zero_and_sets_every_earlier_checkpoint_and_final
     assert (p.step, p.epoch, p.packs_done) == (0, 0, 0)
     assert s.accelerator.loaded == []
     assert [d.name for d in tmp_path.iterdir()] == [".replaced"]  # deleted at this run's first checkpoint
-    assert sorted(d.name for d in (tmp_path / ".replaced" / "000").iterdir()) == ["final", "step_000003",
-                                                                                 "step_000009.tmp"]
+    assert sorted(d.name for d in (tmp_path / ".replaced" / "000").iterdir()) == [
+        "final",
+        "step_000003",
+        "step_000009.tmp",
+    ]
 
 
 def test_resume_auto_without_a_complete_checkpoint_starts_fresh_and_sets_half_written_ones_aside(tmp_path):
@@ -123,7 +135,10 @@ def test_only_the_main_process_clears(tmp_path):
 def test_a_checkpoint_from_before_the_global_position_resumes_where_it_stopped(tmp_path):
     """Checkpoints written before packs_done_in_epoch counted this (single) rank's micro-batches."""
     s = session(tmp_path)
-    train._save(s, {"optimizer_step": 5, "epoch": 1, "batches_done_in_epoch": 3, "seed": 0,
-                    "upstream": dict(UPSTREAM)}, 3)
+    train._save(
+        s,
+        {"optimizer_step": 5, "epoch": 1, "batches_done_in_epoch": 3, "seed": 0, "upstream": dict(UPSTREAM)},
+        3,
+    )
     p = train._resume_or_clear(cfg(), s)
     assert (p.step, p.epoch, p.packs_done) == (5, 1, 3)

@@ -17,7 +17,12 @@ def test_a_finished_checkpoint_is_step_dir_with_its_state_and_no_tmp(tmp_path):
     assert final == tmp_path / "step_000007"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_000007"]
     state = json.loads((final / ckpt.STATE).read_text())
-    assert state == {"schema_version": ckpt.SCHEMA_VERSION, "optimizer_step": 7, "epoch": 0, "batches_done_in_epoch": 3}
+    assert state == {
+        "schema_version": ckpt.SCHEMA_VERSION,
+        "optimizer_step": 7,
+        "epoch": 0,
+        "batches_done_in_epoch": 3,
+    }
     assert (final / "weights.bin").read_bytes() == b"w7"
 
 
@@ -73,7 +78,9 @@ def test_saving_a_step_again_replaces_it_and_begin_discards_a_stale_tmp(tmp_path
     assert ckpt.latest(tmp_path)[1]["epoch"] == 1
 
 
-def test_a_fresh_start_sets_every_checkpoint_aside_and_deletes_them_only_at_its_first_own_checkpoint(tmp_path):
+def test_a_fresh_start_sets_every_checkpoint_aside_and_deletes_them_only_at_its_first_own_checkpoint(
+    tmp_path,
+):
     save(tmp_path, 1)
     save(tmp_path, 2)
     ckpt.begin(tmp_path, 3)
@@ -84,8 +91,11 @@ def test_a_fresh_start_sets_every_checkpoint_aside_and_deletes_them_only_at_its_
     assert sorted(p.name for p in tmp_path.iterdir()) == [ckpt.REPLACED, "metrics.jsonl", "plots"]
     assert ckpt.latest(tmp_path) is None  # resume never looks there
     assert sorted(p.name for p in (tmp_path / ckpt.REPLACED / "000").iterdir()) == [
-        "final", "step_000001", "step_000002", "step_000003.tmp"]
+        "final",
+        "step_000001",
+        "step_000002",
+        "step_000003.tmp",
+    ]
     assert ckpt.set_aside(tmp_path) == 0
     save(tmp_path, 7)  # the new run's first complete checkpoint: now the old ones go
     assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl", "plots", "step_000007"]
-

@@ -12,14 +12,28 @@ FACTS = {"aux_layer_ids": [1, 2], "hidden_size": 4, "target_fingerprint": "abc"}
 def _write(root, lengths, compressor="blosc_zstd", seed=0, facts=FACTS, pool=None):
     g = torch.Generator().manual_seed(seed)
     manifest = fs.open_for_writing(root, facts)
-    writer = fs.ShardWriter(root, fs.ShardSpec(0, 0, lengths), facts, (8, 4), chunk_tokens=3, compressor=compressor,
-                            shared=pool is not None)
+    writer = fs.ShardWriter(
+        root,
+        fs.ShardSpec(0, 0, lengths),
+        facts,
+        (8, 4),
+        chunk_tokens=3,
+        compressor=compressor,
+        shared=pool is not None,
+    )
     data = []
     for i, n in enumerate(lengths):
-        s = dict(input_ids=np.arange(n) + i, loss_mask=np.arange(n) % 2,
-                 aux_hidden=torch.randn(n, 8, generator=g).bfloat16(), last_hidden=torch.randn(n, 4, generator=g).bfloat16())
+        s = dict(
+            input_ids=np.arange(n) + i,
+            loss_mask=np.arange(n) % 2,
+            aux_hidden=torch.randn(n, 8, generator=g).bfloat16(),
+            last_hidden=torch.randn(n, 4, generator=g).bfloat16(),
+        )
         if facts.get("store_dtype") == fs.FP8:
-            (a, sa), (b, sb) = fs.encode_fp8(s["aux_hidden"].float(), 2), fs.encode_fp8(s["last_hidden"].float(), 1)
+            (a, sa), (b, sb) = (
+                fs.encode_fp8(s["aux_hidden"].float(), 2),
+                fs.encode_fp8(s["last_hidden"].float(), 1),
+            )
             writer.write(i, s["input_ids"], s["loss_mask"], a, b, (sa, sb))
         else:
             writer.write(i, **s)
@@ -59,6 +73,7 @@ def test_token_ranges_cover_the_store_in_order(tmp_path):
 
 def test_arrays_record_bf16_as_logical_dtype(tmp_path):
     import zarr
+
     _write(tmp_path, [3])
     g = zarr.open_group(str(tmp_path / "shard-00000.zarr"), mode="r")
     assert g["aux_hidden"].dtype == np.uint16 and g["aux_hidden"].attrs["logical_dtype"] == "bfloat16"
@@ -118,8 +133,11 @@ def test_a_flipped_byte_in_a_chunk_stops_the_reader_naming_shard_and_array(tmp_p
     _write(tmp_path, [5, 1, 7], compressor)
     _flip(tmp_path / "shard-00000.zarr/aux_hidden/c/0/0")
     store = fs.FeatureStore(tmp_path)
-    with pytest.raises(fs.ChunkError, match=r"shard-00000.zarr/aux_hidden: chunk 0 fails its crc32c check.*"
-                                            r"extract.repair=true"):
+    with pytest.raises(
+        fs.ChunkError,
+        match=r"shard-00000.zarr/aux_hidden: chunk 0 fails its crc32c check.*"
+        r"extract.repair=true",
+    ):
         store.sample(0)
     assert store.sample(2)["aux_hidden"].shape == (7, 8)  # other chunks still read
 
@@ -143,7 +161,9 @@ def test_all_zero_chunks_are_written_so_a_missing_one_is_detectable(tmp_path):
     g = torch.Generator().manual_seed(0)
     manifest = fs.open_for_writing(tmp_path, FACTS)
     writer = fs.ShardWriter(tmp_path, fs.ShardSpec(0, 0, [6]), FACTS, (8, 4), chunk_tokens=3)
-    writer.write(0, np.zeros(6), np.zeros(6), torch.zeros(6, 8).bfloat16(), torch.randn(6, 4, generator=g).bfloat16())
+    writer.write(
+        0, np.zeros(6), np.zeros(6), torch.zeros(6, 8).bfloat16(), torch.randn(6, 4, generator=g).bfloat16()
+    )
     writer.commit(manifest)
     assert fs.verify_store(tmp_path) == []
     assert (tmp_path / "shard-00000.zarr/aux_hidden/c/1/0").is_file()  # states: chunk_tokens
@@ -194,31 +214,42 @@ def test_fp8_round_trip_error_is_within_e4m3s_bound_per_token_and_per_element():
     assert bits.dtype == torch.uint8 and bits.shape == x.shape and scale.shape == (64, 3)
     back = fs.decode_fp8(bits.numpy(), scale.numpy()).float()
     xf = x.float()
-    # per token (and layer): the relative error of the vector is at most e4m3's rounding, 2^-4 (plus bf16's 2^-9)
+    # per token (and layer): the relative error of the vector is at most e4m3's rounding, 2^-4 (plus bf16's
+    # 2^-9)
     per_token = (back - xf).reshape(64, 3, 96).norm(dim=-1) / xf.reshape(64, 3, 96).norm(dim=-1)
-    assert float(per_token.max()) <= 2 ** -4 + 2 ** -9
+    assert float(per_token.max()) <= 2**-4 + 2**-9
     # per element: 2^-4 relative, or half e4m3's smallest subnormal step (2^-10 x scale) near zero
     step = scale.repeat_interleave(96, dim=1)
-    assert bool(((back - xf).abs() <= (2 ** -4 + 2 ** -8) * xf.abs() + 2 ** -10 * step * 1.01).all())
+    assert bool(((back - xf).abs() <= (2**-4 + 2**-8) * xf.abs() + 2**-10 * step * 1.01).all())
     # and it is really lossy (a test of the bound, not of a no-op)
-    assert float(per_token.max()) > 2 ** -9
+    assert float(per_token.max()) > 2**-9
 
 
 def test_fp8_decode_is_torchs_float8_cast_times_the_scale_for_every_bit_pattern():
-    """decode_fp8 gathers through a 256-entry table (3.5x faster than torch's cast on CPU); its values are the cast's:
+    """decode_fp8 gathers through a 256-entry table (3.5x faster than torch's cast on CPU); its values are
+    the cast's:
     every e4m3 bit pattern, against scales from tiny to huge, rounded to bf16 the same way."""
     bits = np.tile(np.arange(256, dtype=np.uint8), (6, 2))  # 6 tokens x 2 layers x 256 patterns
-    scale = np.array([[1e-30, 1.0], [2 ** -10, 3.7], [0.5, 448.0], [1e3, 1e-3], [7.25, 1e20], [1.0, 1.0]], np.float32)
+    scale = np.array(
+        [[1e-30, 1.0], [2**-10, 3.7], [0.5, 448.0], [1e3, 1e-3], [7.25, 1e20], [1.0, 1.0]], np.float32
+    )
     got = fs.decode_fp8(bits, scale)
-    want = (torch.from_numpy(bits).view(torch.float8_e4m3fn).float().reshape(6, 2, 256)
-            * torch.from_numpy(scale).unsqueeze(-1)).reshape(6, -1).bfloat16()
+    want = (
+        (
+            torch.from_numpy(bits).view(torch.float8_e4m3fn).float().reshape(6, 2, 256)
+            * torch.from_numpy(scale).unsqueeze(-1)
+        )
+        .reshape(6, -1)
+        .bfloat16()
+    )
     nan = torch.isnan(want)
     assert torch.equal(torch.isnan(got), nan) and int(nan.sum()) == 6 * 2 * 2  # 0x7f and 0xff, e4m3fn's NaNs
     assert torch.equal(got[~nan].view(torch.int16), want[~nan].view(torch.int16))
 
 
 def test_fp8_encoding_in_chunks_of_tokens_is_bit_identical_to_one_pass():
-    """encode_fp8 bounds its fp32 working copy by encoding chunk_rows tokens at a time (the GPU memory of a large
+    """encode_fp8 bounds its fp32 working copy by encoding chunk_rows tokens at a time (the GPU memory of a
+    large
     capture batch); every chunking gives the same bits and scales, including a last chunk that is short."""
     x = _heavy_tailed(37, 3 * 96, seed=1)
     bits, scale = fs.encode_fp8(x, 3, chunk_rows=37)
@@ -242,8 +273,13 @@ def test_an_fp8_shard_is_written_as_uint8_plus_scales_and_read_back_as_bf16(tmp_
         want.append((fs.decode_fp8(ab.numpy(), asc.numpy()), fs.decode_fp8(lb.numpy(), lsc.numpy())))
     writer.commit(manifest)
     import zarr
+
     g = zarr.open_group(str(tmp_path / "shard-00000.zarr"), mode="r")
-    assert g["aux_hidden"].dtype == np.uint8 and g["aux_scale"].shape == (12, 2) and g["last_scale"].shape == (12, 1)
+    assert (
+        g["aux_hidden"].dtype == np.uint8
+        and g["aux_scale"].shape == (12, 2)
+        and g["last_scale"].shape == (12, 1)
+    )
     store = fs.FeatureStore(tmp_path)
     for i, (aux, last) in enumerate(want):
         got = store.sample(i)
@@ -261,9 +297,13 @@ def test_an_fp8_store_is_not_a_bf16_store(tmp_path):
         fs.open_for_writing(tmp_path, FP8_FACTS)
 
 
-def test_threads_committing_shards_at_once_lose_no_manifest_entry_even_where_flock_is_per_process(tmp_path, monkeypatch):
-    """extract.write_workers: shards of one process commit from several threads. On NFS, Linux maps flock to fcntl
-    locks, which do not exclude threads of one process; simulated here at that boundary by a flock that excludes
+def test_threads_committing_shards_at_once_lose_no_manifest_entry_even_where_flock_is_per_process(
+    tmp_path, monkeypatch
+):
+    """extract.write_workers: shards of one process commit from several threads. On NFS, Linux maps flock to
+    fcntl
+    locks, which do not exclude threads of one process; simulated here at that boundary by a flock that
+    excludes
     nothing (named: fake_nfs_flock), with a slow read so that unguarded read-modify-writes would overlap."""
     import threading
     import time
@@ -272,7 +312,9 @@ def test_threads_committing_shards_at_once_lose_no_manifest_entry_even_where_flo
     monkeypatch.setattr(fs.fcntl, "flock", lambda f, op: None)  # fake_nfs_flock: no exclusion between threads
     real_read = fs.read_manifest
     monkeypatch.setattr(fs, "read_manifest", lambda root: (time.sleep(0.02), real_read(root))[1])
-    entries = [{"name": fs.shard_name(i), "sample_start": i, "sample_end": i + 1, "num_tokens": 1} for i in range(8)]
+    entries = [
+        {"name": fs.shard_name(i), "sample_start": i, "sample_end": i + 1, "num_tokens": 1} for i in range(8)
+    ]
     threads = [threading.Thread(target=fs.add_shard, args=(tmp_path, e)) for e in entries]
     for t in threads:
         t.start()
@@ -283,14 +325,18 @@ def test_threads_committing_shards_at_once_lose_no_manifest_entry_even_where_flo
 
 # ------------------------------------------------------------------------------- writer processes (#14)
 def _files(root):
-    return {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()
-            and p.name != fs.LOCK}
+    return {
+        p.relative_to(root).as_posix(): p.read_bytes()
+        for p in sorted(root.rglob("*"))
+        if p.is_file() and p.name != fs.LOCK
+    }
 
 
 @pytest.mark.parametrize("facts", [FACTS, FP8_FACTS], ids=["bf16", "fp8"])
 def test_a_shard_written_by_writer_processes_is_byte_for_byte_this_process_shard(tmp_path, facts):
     """extract.write_workers > 1: the states live in shared memory and spawned processes encode and write
-    chunk-aligned token ranges of them. Every file (chunks, metadata, manifest) equals the one-process shard's, and
+    chunk-aligned token ranges of them. Every file (chunks, metadata, manifest) equals the one-process
+    shard's, and
     the shared memory is unlinked after the commit."""
     import multiprocessing
     import os
@@ -299,6 +345,7 @@ def test_a_shard_written_by_writer_processes_is_byte_for_byte_this_process_shard
 
     lengths = [5, 1, 7, 30, 2, 11]  # 56 tokens, chunk 3: 19 chunks over 2 processes in up to 32 ranges
     _write(tmp_path / "one", lengths, "blosc_lz4", facts=facts)
+
     class Counted:  # the pool as commit sees it, counting the ranges handed to the writer processes
         def __init__(self, pool):
             self.pool, self.ranges = pool, 0
@@ -323,7 +370,9 @@ def test_writer_regions_are_whole_chunks_that_cover_the_array_once():
     for total, chunk, pieces in [(56, 3, 32), (56, 3, 2), (7, 512, 4), (1024, 512, 8), (1025, 512, 1)]:
         r = fs.shard_regions.regions(total, chunk, pieces)
         assert r[0][0] == 0 and r[-1][1] == total and len(r) <= pieces
-        assert all(a % chunk == 0 and b > a for a, b in r) and all(r[i][1] == r[i + 1][0] for i in range(len(r) - 1))
+        assert all(a % chunk == 0 and b > a for a, b in r) and all(
+            r[i][1] == r[i + 1][0] for i in range(len(r) - 1)
+        )
 
 
 def test_commit_with_a_pool_refuses_a_writer_without_shared_buffers(tmp_path):
@@ -335,7 +384,8 @@ def test_commit_with_a_pool_refuses_a_writer_without_shared_buffers(tmp_path):
 
 
 def test_an_uncommitted_shared_writer_discards_its_shared_memory(tmp_path):
-    """A shard that fails while it fills (capture error, the previous commit failing) must not leave up to 15 GB
+    """A shard that fails while it fills (capture error, the previous commit failing) must not leave up to 15
+    GB
     in /dev/shm until the process ends: discard() unlinks it."""
     from multiprocessing import shared_memory
 
@@ -350,7 +400,8 @@ def test_an_uncommitted_shared_writer_discards_its_shared_memory(tmp_path):
 
 
 def test_writer_processes_exit_when_their_extract_is_killed(tmp_path):
-    """SIGKILL on extract must not leave its writer processes behind (they would hold the resource tracker, and
+    """SIGKILL on extract must not leave its writer processes behind (they would hold the resource tracker,
+    and
     with it every shared segment, alive): each one watches its parent (shard_regions.watch_parent)."""
     import os
     import signal
@@ -371,10 +422,15 @@ def test_writer_processes_exit_when_their_extract_is_killed(tmp_path):
         "                               initializer=shard_regions.watch_parent)\n"
         "    pids = {f.result() for f in [pool.submit(pid) for _ in range(2)]}\n"
         "    print(' '.join(map(str, pids)), flush=True)\n"
-        "    time.sleep(600)\n")
+        "    time.sleep(600)\n"
+    )
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONPATH": root})
+    proc = subprocess.Popen(
+        [sys.executable, str(script)],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": root},
+    )
     workers = [int(p) for p in proc.stdout.readline().split()]
     assert len(workers) == 2
     proc.send_signal(signal.SIGKILL)
@@ -383,5 +439,9 @@ def test_writer_processes_exit_when_their_extract_is_killed(tmp_path):
     alive = workers
     while alive and time.time() < deadline:
         time.sleep(0.2)
-        alive = [p for p in workers if os.path.exists(f"/proc/{p}") and "Z" not in open(f"/proc/{p}/stat").read().split()[2]]
+        alive = [
+            p
+            for p in workers
+            if os.path.exists(f"/proc/{p}") and "Z" not in open(f"/proc/{p}/stat").read().split()[2]
+        ]
     assert not alive, f"writer processes {alive} outlived their killed parent"

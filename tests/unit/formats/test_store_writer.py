@@ -1,5 +1,7 @@
-"""extract.writer=tensorstore (issue #32): the store it writes is the store zarr-python writes, byte for byte, read by
-plain zarr, resumable after a kill -9 in the middle of a shard, its damage caught by verify_store (check-store)."""
+"""extract.writer=tensorstore (issue #32): the store it writes is the store zarr-python writes, byte for
+byte, read by
+plain zarr, resumable after a kill -9 in the middle of a shard, its damage caught by verify_store
+(check-store)."""
 
 import os
 import signal
@@ -28,8 +30,15 @@ def write_store(root, shards, writer, facts=FACTS, compressor="blosc_lz4", chunk
         if any(s["name"] == fs.shard_name(index) for s in manifest["shards"]):
             start += len(lengths)
             continue
-        w = fs.ShardWriter(root, fs.ShardSpec(index, start, lengths), facts, (8, 4), chunk_tokens=chunk_tokens,
-                           compressor=compressor, writer=writer)
+        w = fs.ShardWriter(
+            root,
+            fs.ShardSpec(index, start, lengths),
+            facts,
+            (8, 4),
+            chunk_tokens=chunk_tokens,
+            compressor=compressor,
+            writer=writer,
+        )
         for i, n in enumerate(lengths):
             g = torch.Generator().manual_seed(1000 * index + i)
             aux, last = torch.randn(n, 8, generator=g).bfloat16(), torch.randn(n, 4, generator=g).bfloat16()
@@ -47,8 +56,11 @@ def write_store(root, shards, writer, facts=FACTS, compressor="blosc_lz4", chunk
 
 
 def files(root):
-    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(Path(root).rglob("*"))
-            if p.is_file() and p.name != fs.LOCK}
+    return {
+        str(p.relative_to(root)): p.read_bytes()
+        for p in sorted(Path(root).rglob("*"))
+        if p.is_file() and p.name != fs.LOCK
+    }
 
 
 SHARDS = [[4, 5, 3], [7, 2], [6, 6, 1]]
@@ -65,8 +77,13 @@ def test_tensorstore_writes_the_same_bytes_as_zarr_python(tmp_path, facts, compr
     ra, rb = fs.FeatureStore(tmp_path / "zarr"), fs.FeatureStore(tmp_path / "ts")
     for i in range(len(ra)):
         sa, sb = ra.sample(i), rb.sample(i)
-        assert all(torch.equal(sa[k].view(torch.int16) if sa[k].dtype == torch.bfloat16 else sa[k],
-                               sb[k].view(torch.int16) if sb[k].dtype == torch.bfloat16 else sb[k]) for k in sa)
+        assert all(
+            torch.equal(
+                sa[k].view(torch.int16) if sa[k].dtype == torch.bfloat16 else sa[k],
+                sb[k].view(torch.int16) if sb[k].dtype == torch.bfloat16 else sb[k],
+            )
+            for k in sa
+        )
 
 
 def test_plain_zarr_reads_a_tensorstore_shard(tmp_path):
@@ -116,7 +133,9 @@ def test_kill_9_in_the_middle_of_a_tensorstore_shard_resumes_to_the_same_bytes(t
     write_store(whole, SHARDS, "tensorstore")
     root, marker = tmp_path / "killed", tmp_path / "half-written"
     code = KILLED.format(tests=str(Path(__file__).parent), marker=str(marker), root=str(root))
-    proc = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code], cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}
+    )
     try:
         for _ in range(600):
             if marker.exists() or proc.poll() is not None:

@@ -32,13 +32,16 @@ def test_an_absolute_id_d2t_is_rejected():
         validate(absolute, t2d, 20, 3)
 
 
-@pytest.mark.parametrize("mutate,msg", [
-    (lambda d, t: (d[:2].clone(), t), "len\\(d2t\\)=2"),
-    (lambda d, t: (d.flip(0).clone(), t), "strictly increasing"),
-    (lambda d, t: (d + 10, t), "leaves \\[0, 20\\)"),
-    (lambda d, t: (d, torch.ones_like(t)), "t2d.sum\\(\\)=20"),
-    (lambda d, t: (d.int(), t), "int64"),
-])
+@pytest.mark.parametrize(
+    "mutate,msg",
+    [
+        (lambda d, t: (d[:2].clone(), t), "len\\(d2t\\)=2"),
+        (lambda d, t: (d.flip(0).clone(), t), "strictly increasing"),
+        (lambda d, t: (d + 10, t), "leaves \\[0, 20\\)"),
+        (lambda d, t: (d, torch.ones_like(t)), "t2d.sum\\(\\)=20"),
+        (lambda d, t: (d.int(), t), "int64"),
+    ],
+)
 def test_broken_tables_are_rejected(mutate, msg):
     d2t, t2d, _ = build(freq_of({3: 10, 7: 50, 15: 40}), 3)
     with pytest.raises(VocabError, match=msg):
@@ -52,6 +55,7 @@ def test_save_load_round_trip_and_load_revalidates(tmp_path):
     d, t, m = vocab_map.load(tmp_path)
     assert torch.equal(d, d2t) and torch.equal(t, t2d) and m["draft_vocab_size"] == 3
     from safetensors.torch import save_file
+
     save_file({"d2t": torch.arange(3) + d2t, "t2d": t2d}, str(tmp_path / "vocab.safetensors"))
     with pytest.raises(VocabError, match="absolute"):
         vocab_map.load(tmp_path)
