@@ -13,12 +13,12 @@ from pipeline.acceptance.offline import ExportedDraft
 from pipeline.data.features_dataset import collate
 from pipeline.formats import export_layouts as lay
 from pipeline.models import draft, targets
-from pipeline.stages import train
+from pipeline.training.setup import load_inputs
 
 
 def exported_minus_speculators_logits(cfg, run_dir: Path) -> float:
     """max |ExportedDraft logits - speculators logits| over one held-in sample."""
-    store, d2t, t2d, _ = train.load_inputs(cfg)
+    store, d2t, t2d, _ = load_inputs(cfg)
     folder = Path(store.facts["target_path"])
     config = json.loads((run_dir / "export" / "sglang" / "config.json").read_text())
     model = draft.build(

@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 
 from pipeline.errors import UserError
 from pipeline.runner import run_stages
-from pipeline.stages.train import BEST_TAU
+from pipeline.training.checkpoints import BEST_TAU
 
 pytestmark = pytest.mark.slow
 # the target's own answers (regenerated), so the tiny draft learns to be accepted within a few dozen steps

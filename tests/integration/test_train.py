@@ -16,7 +16,7 @@ from pipeline.data.features_dataset import collate, plan_packs
 from pipeline.formats.feature_store import FeatureStore
 from pipeline.models import draft
 from pipeline.runner import run_stages
-from pipeline.stages import train
+from pipeline.training.setup import load_inputs
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
@@ -131,7 +131,7 @@ def test_packing_isolates_documents(tiny_run):
     cfg, run_dir = tiny_run
     store = FeatureStore(run_dir / "features")
     store_facts_folder = Path(store.facts["target_path"])
-    d2t, t2d, _ = train.load_inputs(cfg)[1:]
+    d2t, t2d, _ = load_inputs(cfg)[1:]
     from pipeline.models import targets
 
     model = draft.build(
@@ -257,7 +257,7 @@ def test_a_padded_pack_gives_the_loss_metrics_and_gradients_of_the_unpadded_one(
     cfg, run_dir = tiny_run
     store = FeatureStore(run_dir / "features")
     folder = Path(store.facts["target_path"])
-    d2t, t2d, _ = train.load_inputs(cfg)[1:]
+    d2t, t2d, _ = load_inputs(cfg)[1:]
     model = draft.build(folder, targets.load_config(folder, cfg.target), store.aux_layer_ids, d2t, t2d, 3)
     fwd = dict(ttt_steps=3, ttt_step_loss_decay=1.0, loss_config=resolve_loss_config("kl_div", "eager"))
     lengths = store.sample_lengths()

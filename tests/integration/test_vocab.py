@@ -7,7 +7,7 @@ import torch
 from pipeline.errors import UserError
 from pipeline.formats.feature_store import FeatureStore
 from pipeline.runner import run_stages
-from pipeline.stages import train
+from pipeline.training.setup import load_inputs
 
 pytestmark = pytest.mark.slow
 
@@ -20,7 +20,7 @@ def test_vocab_counts_supervised_tokens_of_the_store(make_cfg, tmp_path):
     for i in range(len(store)):
         s = store.sample(i)
         np.add.at(counts, s["input_ids"][s["loss_mask"].bool()].numpy(), 1)
-    _, d2t, t2d, manifest = train.load_inputs(cfg)  # the loader train uses: vocab checked against the store
+    _, d2t, t2d, manifest = load_inputs(cfg)  # the loader train uses: vocab checked against the store
     used = torch.arange(len(d2t)) + d2t
     assert manifest["draft_vocab_size"] == 256 == len(d2t)
     kept = counts[used.numpy()]

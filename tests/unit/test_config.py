@@ -150,7 +150,7 @@ def test_pad_packs_defaults_to_one_shape_on_cuda_and_to_no_padding_on_cpu():
     import torch
 
     from pipeline.config import TrainConfig
-    from pipeline.stages.train import pad_packs
+    from pipeline.training.setup import pad_packs
 
     assert TrainConfig().pad_packs is None
     cpu, cuda = torch.device("cpu"), torch.device("cuda")

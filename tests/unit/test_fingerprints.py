@@ -10,6 +10,7 @@ import pytest
 from pipeline import runner as stages
 from pipeline.fingerprint import shaping
 from pipeline.stages import evaluate, train
+from pipeline.training import setup
 
 
 def fp(module, make_cfg, run_dir, *overrides):
@@ -116,9 +117,12 @@ def test_adam_betas_at_the_value_before_the_knob_hashes_as_before_it_existed(mak
     hashed, so those runs stay up to date. The default is torch's (0.9, 0.999) now: a default run is another
     run."""
     t = make_cfg("+experiment=tiny", "train.adam_betas=[0.9,0.95]").train
-    assert "adam_betas" not in train._shaping(t, train.NOT_SHAPING)
+    assert "adam_betas" not in setup.shaping_of(t, setup.NOT_SHAPING)
     assert list(make_cfg("+experiment=tiny").train.adam_betas) == [0.9, 0.999]
-    assert train._shaping(make_cfg("+experiment=tiny").train, train.NOT_SHAPING)["adam_betas"] == [0.9, 0.999]
+    assert setup.shaping_of(make_cfg("+experiment=tiny").train, setup.NOT_SHAPING)["adam_betas"] == [
+        0.9,
+        0.999,
+    ]
     assert list(make_cfg("+experiment=gpu_smollm2").train.adam_betas) == [0.9, 0.95]  # its measured recipe
 
 

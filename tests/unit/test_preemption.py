@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from pipeline.stages.train import Preemption
+from pipeline.training.preemption import Preemption
 
 ONE_RANK = SimpleNamespace(num_processes=1)
 

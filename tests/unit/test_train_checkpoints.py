@@ -9,7 +9,7 @@ from omegaconf import OmegaConf
 from pipeline.config import Resume, TrainConfig
 from pipeline.errors import UserError
 from pipeline.formats import checkpoint as ckpt
-from pipeline.stages import train
+from pipeline.training import checkpoints
 
 UPSTREAM = {"features_manifest_hash": "f1", "train_config_hash": "t1"}
 
@@ -46,7 +46,7 @@ def cfg(resume=Resume.auto, seed=0):
 
 
 def save(s, step, epoch=0, done=0, seed=0, upstream=UPSTREAM, keep_last=3):
-    train._save(
+    checkpoints.save(
         s,
         {
             "optimizer_step": step,
@@ -80,7 +80,7 @@ def test_resume_auto_continues_from_the_newest_checkpoint_at_its_recorded_positi
     s = session(tmp_path)
     save(s, 2, epoch=0, done=2)
     save(s, 5, epoch=1, done=3)
-    p = train._resume_or_clear(cfg(), s)
+    p = checkpoints.resume_or_clear(cfg(), s)
     assert (p.step, p.epoch, p.packs_done) == (5, 1, 3)
     assert s.accelerator.loaded == [str(tmp_path / "step_000005")]
 
@@ -89,7 +89,7 @@ def test_resume_refuses_a_checkpoint_of_other_inputs(tmp_path):
     s = session(tmp_path)
     save(s, 3, upstream={**UPSTREAM, "features_manifest_hash": "other"})
     with pytest.raises(UserError, match="trained on other inputs.*train.resume=never"):
-        train._resume_or_clear(cfg(), s)
+        checkpoints.resume_or_clear(cfg(), s)
     assert (tmp_path / "step_000003").is_dir()  # refused, not deleted
 
 
@@ -97,7 +97,7 @@ def test_resume_refuses_a_checkpoint_of_another_seed(tmp_path):
     s = session(tmp_path)
     save(s, 3, seed=1)
     with pytest.raises(UserError, match="trained on other inputs"):
-        train._resume_or_clear(cfg(seed=0), s)
+        checkpoints.resume_or_clear(cfg(seed=0), s)
 
 
 def test_resume_never_starts_at_zero_and_sets_every_earlier_checkpoint_and_final_aside(tmp_path):
@@ -105,7 +105,7 @@ def test_resume_never_starts_at_zero_and_sets_every_earlier_checkpoint_and_final
     save(s, 3)
     (tmp_path / "final").mkdir()
     (tmp_path / "step_000009.tmp").mkdir()
-    p = train._resume_or_clear(cfg(Resume.never), s)
+    p = checkpoints.resume_or_clear(cfg(Resume.never), s)
     assert (p.step, p.epoch, p.packs_done) == (0, 0, 0)
     assert s.accelerator.loaded == []
     assert [d.name for d in tmp_path.iterdir()] == [".replaced"]  # deleted at this run's first checkpoint
@@ -119,7 +119,7 @@ def test_resume_never_starts_at_zero_and_sets_every_earlier_checkpoint_and_final
 def test_resume_auto_without_a_complete_checkpoint_starts_fresh_and_sets_half_written_ones_aside(tmp_path):
     s = session(tmp_path)
     (tmp_path / "step_000002.tmp").mkdir()
-    p = train._resume_or_clear(cfg(), s)
+    p = checkpoints.resume_or_clear(cfg(), s)
     assert (p.step, s.accelerator.loaded) == (0, [])
     assert [d.name for d in tmp_path.iterdir()] == [".replaced"]
 
@@ -128,17 +128,17 @@ def test_only_the_main_process_clears(tmp_path):
     s = session(tmp_path)
     save(s, 3)
     s.accelerator.is_main_process = False
-    train._resume_or_clear(cfg(Resume.never), s)
+    checkpoints.resume_or_clear(cfg(Resume.never), s)
     assert (tmp_path / "step_000003").is_dir()
 
 
 def test_a_checkpoint_from_before_the_global_position_resumes_where_it_stopped(tmp_path):
     """Checkpoints written before packs_done_in_epoch counted this (single) rank's micro-batches."""
     s = session(tmp_path)
-    train._save(
+    checkpoints.save(
         s,
         {"optimizer_step": 5, "epoch": 1, "batches_done_in_epoch": 3, "seed": 0, "upstream": dict(UPSTREAM)},
         3,
     )
-    p = train._resume_or_clear(cfg(), s)
+    p = checkpoints.resume_or_clear(cfg(), s)
     assert (p.step, p.epoch, p.packs_done) == (5, 1, 3)
