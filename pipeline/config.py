@@ -282,7 +282,7 @@ class Strategy(str, Enum):  # how several ranks hold the draft (docs/scale.md)
     fsdp = "fsdp"
 
 
-class FeatureSource(str, Enum):  # where train reads the target's states (pipeline/features.py)
+class FeatureSource(str, Enum):  # where train reads the target's states (pipeline/capture/features.py)
     offline = "offline"  # the feature store extract wrote (features/)
     online = (
         "online"  # the target, frozen, run on each pack during training; no features/ (extract is skipped)

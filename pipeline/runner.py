@@ -16,11 +16,11 @@ import os
 import time
 from pathlib import Path
 
-from pipeline import features
+from pipeline.capture import features
 from pipeline.errors import UserError
 from pipeline.formats import checkpoint
 from pipeline.formats import feature_store as fs
-from pipeline.run_dir import RunDir
+from pipeline.formats.run_dir import RunDir
 
 log = logging.getLogger(__name__)
 
@@ -207,6 +207,6 @@ def _run_stages(cfg, stage: str) -> None:
         log.info("stage %s: done in %.1f s -> %s", name, time.time() - t0, out)
         ran.add(name)
     if stage == "all" and is_rank0():
-        from pipeline import summary
+        from pipeline.formats import summary
 
         summary.report(run_dir, ORDER, ran)

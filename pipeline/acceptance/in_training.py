@@ -20,8 +20,8 @@ import torch
 
 from pipeline.acceptance import batched
 from pipeline.acceptance.offline import ExportedDraft
+from pipeline.capture.hf import Capture
 from pipeline.data import prompt_sets
-from pipeline.engines.hf_capture import Capture
 from pipeline.errors import UserError
 from pipeline.formats import export_layouts as lay
 from pipeline.models import targets

@@ -23,11 +23,11 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 
 from pipeline.acceptance import batched
-from pipeline.engines.hf_capture import Capture
+from pipeline.capture.hf import Capture
 from pipeline.formats import export_layouts as lay
+from pipeline.formats.run_dir import RunDir
 from pipeline.models import draft as draft_lib
 from pipeline.models import targets
-from pipeline.run_dir import RunDir
 
 log = logging.getLogger(__name__)
 

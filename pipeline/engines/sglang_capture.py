@@ -4,7 +4,7 @@ Runs in a Python that has sglang 0.5.17 .. 0.5.23 (a GPU box; CI's .venv-engines
 tests, and they also pass against 0.5.17's source: docs/conventions.md, "SGLang 0.5.17 vs 0.5.23"). The
 feature
 store, sharding, resume and sample order are extract.py's; this module only turns a batch of samples (token
-id lists) into packed (aux, last) tensors, like hf_capture.Capture.packed does for HF:
+id lists) into packed (aux, last) tensors, like capture.hf.Capture.packed does for HF:
 - aux: SGLang's own capture. `set_eagle3_layers_to_capture(ids)` (sglang/srt/models/llama.py) sets
   `model.layers_to_capture = [k + 1 for k in ids]`, i.e. the residual stream entering layer k+1 = the output
   of layer k: SGLang id k = eaglepipe id k (docs/conventions.md). DeepSeek-V2/V3 and Kimi-K2.5 classes number
@@ -163,7 +163,7 @@ class LastStateHook:
 
 
 class SGLangCapture:
-    """hf_capture.Capture's `packed` over SGLang: samples (lists of token ids) -> (aux [sum(len), n*H],
+    """capture.hf.Capture's `packed` over SGLang: samples (lists of token ids) -> (aux [sum(len), n*H],
     last [sum(len), H]) in bf16 on the GPU, sample after sample. SGLang packs a batch token after token
     itself, so
     nothing is padded: the ids go from the host lists straight into the requests (no padded batch on the

@@ -3,7 +3,7 @@
 Every candidate of the grid (num_steps x topk x num_draft_tokens x attention backend x CUDA-graph max batch)
 is
 started from the export's own launch line (pipeline/serving/launch.py) with its settings, as its own process
-group, waited for, run through the firm bench (pipeline/acceptance/online.py: warm-up, repeats interleaved
+group, waited for, run through the firm bench (pipeline/serving/bench.py: warm-up, repeats interleaved
 with
 one baseline server, median and spread per concurrency) and stopped. The winner is the candidate with the
 highest median speculative tokens/s at the objective concurrency among those whose bench completed like for
@@ -19,8 +19,8 @@ import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pipeline.acceptance import online
 from pipeline.errors import UserError
+from pipeline.serving import bench as online
 from pipeline.serving import launch, server
 
 log = logging.getLogger(__name__)

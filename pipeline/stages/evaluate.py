@@ -9,7 +9,7 @@ Two benches, one entry shape (`measure(cfg, store, prompts, out)`):
 - offline (default, no server): pipeline/acceptance/offline.py, greedy chain speculative decoding with the
 local
   target and the SGLang export read by a reference forward -> eval/acceptance.json (tau per draft length);
-- online (`eval.endpoint=`): pipeline/acceptance/online.py, a running SGLang/vLLM server's own counters, and
+- online (`eval.endpoint=`): pipeline/serving/bench.py, a running SGLang/vLLM server's own counters, and
 the
   speedup over `eval.baseline_endpoint` -> eval/online.json.
 """
@@ -21,14 +21,14 @@ import logging
 from contextlib import nullcontext
 from pathlib import Path
 
-from pipeline import features
 from pipeline.acceptance import offline as offline_bench
-from pipeline.acceptance import online as online_bench
+from pipeline.capture import features
 from pipeline.data import prompt_sets
 from pipeline.data.features_dataset import split
 from pipeline.errors import UserError
 from pipeline.fingerprint import digest, shaping
-from pipeline.run_dir import RunDir
+from pipeline.formats.run_dir import RunDir
+from pipeline.serving import bench as online_bench
 
 log = logging.getLogger(__name__)
 

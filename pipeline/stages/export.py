@@ -19,14 +19,15 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from pipeline import __version__, features
+from pipeline import __version__
+from pipeline.capture import features
 from pipeline.errors import UserError
 from pipeline.fingerprint import digest
 from pipeline.formats import export_layouts as lay
 from pipeline.formats import feature_store as fs
 from pipeline.formats import vocab_map
+from pipeline.formats.run_dir import RunDir
 from pipeline.models import targets
-from pipeline.run_dir import RunDir
 from pipeline.serving import launch
 from pipeline.tools import verify
 

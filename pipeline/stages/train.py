@@ -13,12 +13,12 @@ from pathlib import Path
 
 import torch
 
-from pipeline import features
+from pipeline.capture import features
 from pipeline.config import Select
 from pipeline.errors import UserError
 from pipeline.fingerprint import digest
+from pipeline.formats.run_dir import RunDir
 from pipeline.models import draft
-from pipeline.run_dir import RunDir
 from pipeline.training.checkpoints import resume_or_clear
 from pipeline.training.loop import log_metrics, loop, start_logging, tau_step, validate
 from pipeline.training.report import end, finish

@@ -14,12 +14,13 @@ from pathlib import Path
 import numpy as np
 from omegaconf import OmegaConf
 
-from pipeline import __version__, features
+from pipeline import __version__
+from pipeline.capture import features
 from pipeline.errors import UserError
 from pipeline.fingerprint import digest
 from pipeline.formats import vocab_map
+from pipeline.formats.run_dir import RunDir
 from pipeline.models import targets
-from pipeline.run_dir import RunDir
 
 log = logging.getLogger(__name__)
 

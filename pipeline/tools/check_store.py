@@ -13,7 +13,7 @@ from pathlib import Path
 
 from pipeline.errors import UserError
 from pipeline.formats import feature_store as fs
-from pipeline.run_dir import RunDir
+from pipeline.formats.run_dir import RunDir
 
 log = logging.getLogger(__name__)
 

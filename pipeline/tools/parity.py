@@ -17,10 +17,10 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
+from pipeline.capture import store
 from pipeline.errors import UserError
 from pipeline.formats import feature_store as fs
-from pipeline.run_dir import RunDir
-from pipeline.stages import extract
+from pipeline.formats.run_dir import RunDir
 
 log = logging.getLogger(__name__)
 
@@ -68,8 +68,8 @@ def run(cfg) -> Path:
         link = root / backend / "prepared"
         if not link.exists():
             link.symlink_to(prepared.resolve())
-        extract.run(sub)
-        stores[backend] = fs.FeatureStore(extract.out_dir(sub))
+        store.check_backend(sub)
+        stores[backend] = fs.FeatureStore(store.extract(sub))
     report = {
         "samples": len(stores["hf"]),
         "aux_layer_ids": stores["hf"].aux_layer_ids,

@@ -18,8 +18,8 @@ import logging
 from rich.console import Console
 from rich.table import Table
 
-from pipeline import features
-from pipeline.engines.hf_capture import aux_layer_ids
+from pipeline.capture import features
+from pipeline.capture.aux_layers import aux_layer_ids
 from pipeline.errors import UserError
 from pipeline.models import draft, memory
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from pipeline.errors import UserError
-from pipeline.run_dir import RunDir
+from pipeline.formats.run_dir import RunDir
 
 
 def run(cfg) -> Path:

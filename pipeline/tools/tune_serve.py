@@ -19,10 +19,10 @@ import json
 import logging
 from pathlib import Path
 
-from pipeline import features
+from pipeline.capture import features
 from pipeline.data import prompt_sets
 from pipeline.errors import UserError
-from pipeline.run_dir import RunDir
+from pipeline.formats.run_dir import RunDir
 from pipeline.serving import launch, sweep
 
 log = logging.getLogger(__name__)

@@ -25,8 +25,8 @@ from safetensors.torch import load_file
 from pipeline.errors import UserError
 from pipeline.formats import export_layouts as lay
 from pipeline.formats import vocab_map
+from pipeline.formats.run_dir import RunDir
 from pipeline.models import targets
-from pipeline.run_dir import RunDir
 
 log = logging.getLogger(__name__)
 ROOT = Path(__file__).resolve().parents[2]  # pipeline/tools/verify.py -> the repo root

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from pipeline import features
+from pipeline.capture import features
 from pipeline.config import Strategy
 from pipeline.data.features_dataset import (
     plan_packs,
@@ -20,8 +20,8 @@ from pipeline.errors import UserError
 from pipeline.fingerprint import digest, shaping
 from pipeline.formats import feature_store as fs
 from pipeline.formats import prepared, vocab_map
+from pipeline.formats.run_dir import RunDir
 from pipeline.models import draft, fsdp, losses, targets
-from pipeline.run_dir import RunDir
 from pipeline.training.session import Plan, Session
 
 log = logging.getLogger(__name__)

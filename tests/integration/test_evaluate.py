@@ -38,9 +38,9 @@ def _target_and_draft(cfg, run_dir: Path):
     from safetensors.torch import load_file
 
     from pipeline.acceptance import offline
-    from pipeline.engines.hf_capture import Capture
+    from pipeline.capture.hf import Capture
+    from pipeline.formats.run_dir import RunDir
     from pipeline.models import targets
-    from pipeline.run_dir import RunDir
 
     store = RunDir.of(cfg).open_features()
     folder = Path(store.facts["target_path"])

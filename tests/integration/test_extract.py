@@ -12,6 +12,8 @@ import pytest
 import torch
 import zarr
 
+from pipeline.capture.hf import plan_batches
+from pipeline.capture.store import plan_shards
 from pipeline.errors import UserError
 from pipeline.formats import prepared
 from pipeline.formats.feature_store import FeatureStore
@@ -36,8 +38,8 @@ def reference_features(cfg, store: FeatureStore):
     aux_ids = store.aux_layer_ids
     lengths = store.sample_lengths()
     out = {}
-    for spec in extract.plan_shards(lengths, cfg.extract.shard_tokens):
-        for batch in extract.plan_batches(spec.lengths, cfg.extract.batch_tokens, cfg.extract.max_batch_size):
+    for spec in plan_shards(lengths, cfg.extract.shard_tokens):
+        for batch in plan_batches(spec.lengths, cfg.extract.batch_tokens, cfg.extract.max_batch_size):
             g = [spec.sample_start + i for i in batch]
             width = int(lengths[g[0]])
             ids = torch.zeros(len(g), width, dtype=torch.long)

@@ -13,8 +13,8 @@ import pytest
 from safetensors.torch import load_file
 
 from pipeline.errors import UserError
+from pipeline.formats.summary import rows
 from pipeline.runner import run_stages
-from pipeline.summary import rows
 
 pytestmark = pytest.mark.slow
 COMMON = [

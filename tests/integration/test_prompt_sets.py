@@ -82,8 +82,8 @@ def test_mt_bench_turn2_asks_the_second_turn_after_the_targets_own_greedy_first_
     independent reference), second turn, through the chat template; the stage writes its tau row."""
     import torch
 
-    from pipeline import features
     from pipeline.acceptance import offline
+    from pipeline.capture import features
     from pipeline.models import targets
     from pipeline.stages import evaluate
 

@@ -1,4 +1,4 @@
-from pipeline.engines.hf_capture import aux_layer_ids
+from pipeline.capture.aux_layers import aux_layer_ids
 from pipeline.models import draft
 
 

@@ -1,9 +1,10 @@
 import numpy as np
 import pytest
 
-from pipeline.engines.hf_capture import aux_layer_ids, default_aux_layers
+from pipeline.capture.aux_layers import aux_layer_ids, default_aux_layers
+from pipeline.capture.hf import plan_batches
+from pipeline.capture.store import plan_shards
 from pipeline.errors import UserError
-from pipeline.stages.extract import plan_batches, plan_shards
 
 
 def test_default_aux_layers_match_the_engines_defaults():
@@ -50,8 +51,8 @@ def test_writer_processes_fall_back_to_this_process_where_dev_shm_cannot_hold_tw
     why in the log (the shared buffers would die with SIGBUS, not with an error)."""
     from types import SimpleNamespace
 
+    from pipeline.capture import store as extract
     from pipeline.formats import shard_regions
-    from pipeline.stages import extract
 
     ex = SimpleNamespace(write_workers=4, shard_tokens=262144)
     monkeypatch.setattr(shard_regions, "shm_free_bytes", lambda: 64 * 2**20)
@@ -77,8 +78,8 @@ def test_a_shard_writer_falls_back_to_its_own_buffers_when_dev_shm_fills_after_t
     made (posix_fallocate), so that is an OSError there, and the shard is written by this process instead."""
     from types import SimpleNamespace
 
+    from pipeline.capture import store as extract
     from pipeline.formats import feature_store as fs
-    from pipeline.stages import extract
 
     real = fs.ShardWriter
 

@@ -184,7 +184,7 @@ def test_the_online_sources_hash_leaves_out_the_hosts_compute_dtype_and_nothing_
     compute_dtype, and must follow every fact that changes the states."""
     import torch
 
-    from pipeline.features import OnlineFeatures
+    from pipeline.capture.features import OnlineFeatures
 
     base = {
         "aux_layer_ids": [1, 3, 4],

@@ -1,4 +1,4 @@
-"""The firm online bench (pipeline/acceptance/online.py firm_bench) against SGLang-like test servers in
+"""The firm online bench (pipeline/serving/bench.py firm_bench) against SGLang-like test servers in
 threads
 (tests/sglang_like_server.py: the true external boundary): warm-up excluded, repeats interleaved between the
 two
@@ -13,8 +13,8 @@ from types import SimpleNamespace
 import pytest
 from sglang_like_server import handler
 
-from pipeline.acceptance import online
 from pipeline.errors import UserError
+from pipeline.serving import bench as online
 
 SPEC = {"model_path": "/models/t", "speculative_algorithm": "EAGLE3", "speculative_num_steps": 3}
 PLAIN = {"model_path": "/models/t", "speculative_algorithm": None}

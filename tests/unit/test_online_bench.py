@@ -1,11 +1,11 @@
-"""The online bench's reading of a vLLM server's Prometheus counters (pipeline/acceptance/online.py), on text
+"""The online bench's reading of a vLLM server's Prometheus counters (pipeline/serving/bench.py), on text
 in
 vLLM 0.33's /metrics format, and the accept length it makes of their before/after difference."""
 
 import pytest
 
-from pipeline.acceptance import online as online_bench
 from pipeline.errors import UserError
+from pipeline.serving import bench as online_bench
 
 HEAD = """\
 # HELP vllm:spec_decode_num_drafts_total Number of spec decoding drafts.

@@ -6,7 +6,7 @@ import pytest
 
 from pipeline.errors import UserError
 from pipeline.formats import feature_store as fs
-from pipeline.run_dir import RunDir
+from pipeline.formats.run_dir import RunDir
 
 
 def test_folders_follow_the_documented_layout(tmp_path):

@@ -49,7 +49,8 @@ def fakes(monkeypatch):
         monkeypatch.setitem(sys.modules, f"pipeline.{pkg}.{name}", fake.module())
     reported = []
     monkeypatch.setattr(
-        "pipeline.summary.report", lambda run_dir, order, ran: reported.append((list(order), set(ran)))
+        "pipeline.formats.summary.report",
+        lambda run_dir, order, ran: reported.append((list(order), set(ran))),
     )
     return types.SimpleNamespace(made=made, calls=calls, reported=reported)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from pipeline.run_dir import RunDir
+from pipeline.formats.run_dir import RunDir
 
 
 def _read(path: Path) -> dict | None:

@@ -2,7 +2,7 @@
 
 - `offline` (default): the feature store extract wrote (`features/`, docs/feature_store.md);
 - `online`: the target itself, frozen, run on each pack as training needs it, with extract's capture code
-  (pipeline/engines/hf_capture.py: the same hooks, the same bf16 cast). No `features/` is written.
+  (pipeline/capture/hf.py: the same hooks, the same bf16 cast). No `features/` is written.
 
 Both sources have one reading interface: `facts`, `aux_layer_ids`, `hidden_size`, `len()`, `sample_lengths()`,
 `tokens(i)`, `sample(i)`, `iter_tokens()`, `manifest_hash()`. So vocab, train, export and evaluate do not know
@@ -19,13 +19,14 @@ import numpy as np
 import torch
 
 from pipeline import __version__
-from pipeline.engines.hf_capture import CONVENTION, Capture, aux_layer_ids, pad_batch, plan_batches
+from pipeline.capture.aux_layers import CONVENTION, aux_layer_ids
+from pipeline.capture.hf import Capture, pad_batch, plan_batches
 from pipeline.errors import UserError
 from pipeline.fingerprint import digest
 from pipeline.formats import feature_store as fs
 from pipeline.formats import prepared
+from pipeline.formats.run_dir import RunDir
 from pipeline.models import targets
-from pipeline.run_dir import RunDir
 
 log = logging.getLogger(__name__)
 
