@@ -174,3 +174,20 @@ def _take(data, train: dict[str, list], report: dict) -> list[dict]:
     for name in report:
         report[name]["train"] = sum(c["source"] == name for c in chosen)
     return chosen
+
+
+def load_conversations(data) -> tuple[list[dict], Problems]:
+    """All valid conversations of the configured source, after split, shuffle and limit (data=mix:
+    pipeline/data/mixture.py)."""
+    fmt = _enum(data.format)
+    if fmt == "mix":
+        return load(data)
+    extras = list(getattr(data, "extra_sources", None) or [])
+    problems = Problems(_enum(data.on_error), " + ".join([data.path or fmt, *extras]))
+    convs = read_source(data, problems)
+    if data.shuffle:
+        random.Random(data.seed).shuffle(convs)
+    if data.limit is not None:
+        convs = convs[: data.limit]
+    problems.log_summary()
+    return convs, problems

@@ -108,7 +108,7 @@ def prompt_too_long(tok, messages: list[dict], max_len: int, lock=None) -> bool:
     and a
     server refuses a prompt past its context. Checked on the prompt as sent (after earlier turns were
     regenerated);
-    prepare.cut_long_prompts already checked every first turn."""
+    data/chat_tokens.cut_long_prompts already checked every first turn."""
     import contextlib
 
     with lock or contextlib.nullcontext():  # a fast tokenizer is not to be shared by threads unguarded

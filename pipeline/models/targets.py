@@ -218,7 +218,7 @@ def _tiny_tokenizer(out: Path, vocab_size: int, conversations: int):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    from pipeline.data.sources import chitchat_conversations
+    from pipeline.corpora import chitchat_conversations
 
     texts = []
     for conv in chitchat_conversations(None, limit=conversations):

@@ -22,9 +22,9 @@ from contextlib import nullcontext
 from pathlib import Path
 
 from pipeline.acceptance import offline as offline_bench
+from pipeline.acceptance.prompts import heldout_prompts, set_prompts
 from pipeline.capture import features
 from pipeline.data import prompt_sets
-from pipeline.data.features_dataset import split
 from pipeline.errors import UserError
 from pipeline.fingerprint import digest, shaping
 from pipeline.formats.run_dir import RunDir
@@ -109,82 +109,6 @@ def run(cfg) -> Path:
     return out_dir(cfg)
 
 
-def set_prompts(cfg, store, name: str, n: int, prompt_tokens: int, bench=None) -> list[list[int]]:
-    """The first n prompts of a standard set that fit, each through the target's chat template: one user
-    message
-    of at most prompt_tokens tokens; for a second-turn set (mt_bench_turn2), the first turn, the target's own
-    greedy answer to it (`bench.greedy_answers`, at most eval.first_answer_tokens) and the second turn, at
-    most
-    prompt_tokens + eval.first_answer_tokens. The ones too long are counted in the log."""
-    from pipeline.models import targets
-
-    tok = targets.load_tokenizer(Path(store.facts["target_path"]), cfg.target)
-
-    def ids_of(messages: list[dict]) -> list[int]:
-        ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
-        return list(ids["input_ids"] if isinstance(ids, dict) else ids)
-
-    first_of = prompt_sets.SECOND_TURN.get(name)
-    rows = prompt_sets.load(first_of or name)
-    if first_of:
-        rows = [r for r in rows if len(r["turns"]) > 1]
-    firsts, too_long = [], 0
-    for row in rows:
-        ids = ids_of([{"role": "user", "content": row["text"]}])
-        if len(ids) > prompt_tokens:
-            too_long += 1
-            continue
-        firsts.append((row, ids))
-        if not first_of and len(firsts) >= n:
-            break
-    if not first_of:
-        prompts = [ids for _, ids in firsts]
-    else:  # the target answers the first turns n at a time until n second-turn prompts fit (or none are left)
-        bench = bench or offline_bench
-        limit, prompts = prompt_tokens + cfg.eval.first_answer_tokens, []
-        log.info(
-            "evaluate: %s: the target answers first turns (greedy, <= %d tokens)",
-            name,
-            cfg.eval.first_answer_tokens,
-        )
-        for a in range(0, len(firsts), n):
-            chunk = firsts[a : a + n]
-            answers = bench.greedy_answers(
-                cfg, store, [ids for _, ids in chunk], cfg.eval.first_answer_tokens
-            )
-            if not all(answers):
-                log.warning(
-                    "evaluate: %s: %d empty first answers (the second turn follows an empty reply)",
-                    name,
-                    sum(not x for x in answers),
-                )
-            for (row, _), answer in zip(chunk, answers):
-                ids = ids_of(
-                    [
-                        {"role": "user", "content": row["turns"][0]},
-                        {"role": "assistant", "content": answer},
-                        {"role": "user", "content": row["turns"][1]},
-                    ]
-                )
-                if len(ids) > limit:
-                    too_long += 1
-                elif len(prompts) < n:
-                    prompts.append(ids)
-            if len(prompts) >= n:
-                break
-    if too_long:
-        log.warning(
-            "evaluate: %d %s prompts longer than eval.prompt_tokens=%d%s skipped",
-            too_long,
-            name,
-            prompt_tokens,
-            " (+ eval.first_answer_tokens)" if first_of else "",
-        )
-    if not prompts:
-        raise UserError(f"no {name} prompt fits eval.prompt_tokens={prompt_tokens}; raise it")
-    return prompts
-
-
 def _sets_table(cfg) -> None:
     """A log table and its JSON, one row per prompt set. Offline (eval/sets.json): tau of the trained draft
     per
@@ -249,47 +173,3 @@ def _sets_table(cfg) -> None:
     out_dir(cfg).mkdir(parents=True, exist_ok=True)
     name = "sets_online.json" if cfg.eval.endpoint else "sets.json"
     (out_dir(cfg) / name).write_text(json.dumps(rows, indent=1))
-
-
-def heldout_prompts(cfg, store, n: int, prompt_tokens: int, half: str = "report") -> list[list[int]]:
-    """Prefixes of the validation samples train held out (train_summary.json's `val_samples`), report half
-    (prompt_sets.selection_and_report; `half="selection"`: the other one, where choices are made), up to their
-    first supervised token, i.e. up to where the assistant starts answering; at most prompt_tokens long."""
-    summary = RunDir.of(cfg).final / "train_summary.json"
-    facts = json.loads(summary.read_text()) if summary.is_file() else {}
-    val = facts.get("val_samples")
-    if (facts.get("selected") or {}).get("by") == "tau" and "tau_probe_half" not in facts:
-        log.warning(
-            "evaluate: %s chose its checkpoint by tau on ALL held-out prompts (trained before the probe kept "
-            "to one half): the heldout tau below is measured on prompts the choice was made on and "
-            "overstates; retrain (train.resume=never) for a figure that does not",
-            summary.parent,
-        )
-    if val is None:  # a draft trained before train recorded its split: the same seeded split, recomputed
-        log.warning(
-            "evaluate: %s records no val_samples; recomputing the split from train.val_fraction", summary
-        )
-        val = split(len(store), cfg.train.val_fraction, cfg.seed)[1].tolist()
-    if not val:
-        raise UserError(
-            f"{summary.parent} was trained with no held-out samples (train.val_fraction=0): evaluate "
-            "prompts only from samples the draft never saw; retrain with train.val_fraction > 0"
-        )
-    selection, report = prompt_sets.selection_and_report(val)  # evaluate: never the half choices were made on
-    report = selection if half == "selection" else report
-    prompts = prompt_sets.before_answer(store, report, n, prompt_tokens)
-    if len(prompts) < n:
-        log.warning(
-            "evaluate: heldout has %d prompts of the %d asked (%d held-out samples, half of them kept for "
-            "training's tau probe); raise train.val_fraction for more",
-            len(prompts),
-            n,
-            len(val),
-        )
-    if not prompts:
-        raise UserError(
-            f"none of the {len(report)} held-out samples of the report half has a prompt (the tokens before "
-            "the first "
-            f"supervised one) of 2 to eval.prompt_tokens={prompt_tokens} tokens; raise eval.prompt_tokens"
-        )
-    return prompts

@@ -2,7 +2,7 @@
 
 run_dir/export/<engine>/: config.json, model.safetensors (bf16 weights, d2t int64, t2d bool), serve.sh,
 export_manifest.json (what produced it, aux ids in eaglepipe and engine numbering, tensor std/norm table).
-Every export is verified before it is published (pipeline/tools/verify.py: engine-free checks, then the
+Every export is verified before it is published (pipeline/engines/verify.py: engine-free checks, then the
 engine's
 own class and loader unless export.verify_in_engine=false); `eaglepipe verify` repeats that on any export.
 """
@@ -21,6 +21,7 @@ from safetensors.torch import load_file, save_file
 
 from pipeline import __version__
 from pipeline.capture import features
+from pipeline.engines import verify
 from pipeline.errors import UserError
 from pipeline.fingerprint import digest
 from pipeline.formats import export_layouts as lay
@@ -29,7 +30,6 @@ from pipeline.formats import vocab_map
 from pipeline.formats.run_dir import RunDir
 from pipeline.models import targets
 from pipeline.serving import launch
-from pipeline.tools import verify
 
 log = logging.getLogger(__name__)
 ENGINES = tuple(lay.ENGINES)

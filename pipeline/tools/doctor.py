@@ -13,8 +13,8 @@ import logging
 import shlex
 from pathlib import Path
 
+from pipeline.engines.verify import check_export, export_architecture, read_export
 from pipeline.errors import UserError
-from pipeline.tools.verify import check_export, export_architecture, read_export
 
 log = logging.getLogger(__name__)
 

@@ -19,6 +19,7 @@ import json
 import logging
 from pathlib import Path
 
+from pipeline.acceptance.prompts import heldout_prompts
 from pipeline.capture import features
 from pipeline.data import prompt_sets
 from pipeline.errors import UserError
@@ -81,10 +82,8 @@ def bench_prompts(cfg) -> list[list[int]]:
     reports on: the winner is the best of noisy measurements, and measured again on the prompts it won on it
     would
     overstate (the same rule as train.select=tau). eval.sets' standard sets are evaluate's alone."""
-    from pipeline.stages import evaluate
-
     store, e = features.open_source(cfg), cfg.eval
-    return evaluate.heldout_prompts(cfg, store, e.num_prompts, e.prompt_tokens, half="selection")
+    return heldout_prompts(cfg, store, e.num_prompts, e.prompt_tokens, half="selection")
 
 
 def run(cfg) -> Path:

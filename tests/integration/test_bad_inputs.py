@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
+from pipeline.engines.verify import check_export
 from pipeline.errors import UserError
 from pipeline.stages import export
 from pipeline.tools import verify
-from pipeline.tools.verify import check_export
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]

@@ -6,6 +6,7 @@ from pathlib import Path
 import pytest
 from exported_forward import exported_minus_speculators_logits
 
+from pipeline.acceptance.prompts import heldout_prompts
 from pipeline.runner import run_stages
 
 pytestmark = pytest.mark.slow
@@ -78,11 +79,10 @@ def test_batched_speculation_is_the_serial_reference_row_by_row(evaluated):
     import torch
 
     from pipeline.acceptance import batched, offline
-    from pipeline.stages import evaluate
 
     cfg, run_dir = evaluated
     store, tok, model, capture, dr = _target_and_draft(cfg, run_dir)
-    prompts = evaluate.heldout_prompts(cfg, store, 6, cfg.eval.prompt_tokens)
+    prompts = heldout_prompts(cfg, store, 6, cfg.eval.prompt_tokens)
     n, eos = cfg.eval.max_new_tokens, tok.eos_token_id
     assert len({len(p) for p in prompts}) > 1  # rows of different lengths: the padding is exercised
     generate = [
@@ -127,14 +127,13 @@ def test_k1_speculation_asks_the_teacher_forced_questions_at_the_round_starts(ev
     import torch
 
     from pipeline.acceptance import offline
-    from pipeline.stages import evaluate
 
     cfg, run_dir = evaluated
     store, tok, model, capture, dr = _target_and_draft(cfg, run_dir)
     n, eos = cfg.eval.max_new_tokens, tok.eos_token_id
     checked = hits_seen = 0
     with torch.no_grad():
-        for p in evaluate.heldout_prompts(cfg, store, 6, cfg.eval.prompt_tokens):
+        for p in heldout_prompts(cfg, store, 6, cfg.eval.prompt_tokens):
             gen, rounds = offline.speculate(model, capture, dr, p, n, 1, eos)
             hits = offline.teacher_forced(model, capture, dr, p, gen)
             j = 0

@@ -7,7 +7,7 @@ import pytest
 from mutations import absolute_d2t, nan_norm, prefix_keys, single_layer_fc, zero_fc
 from safetensors.torch import load_file
 
-from pipeline.tools.verify import check_export, engine_problems, engine_report
+from pipeline.engines.verify import check_export, engine_problems, engine_report
 
 pytestmark = pytest.mark.slow
 

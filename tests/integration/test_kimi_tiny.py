@@ -16,9 +16,9 @@ import pytest
 from exported_forward import exported_minus_speculators_logits
 from mutations import mutated_copy
 
+from pipeline.engines.verify import check_export, engine_problems, engine_report
 from pipeline.formats import export_layouts as lay
 from pipeline.runner import run_stages
-from pipeline.tools.verify import check_export, engine_problems, engine_report
 
 pytestmark = pytest.mark.slow
 AUX = [2, 3, 5]

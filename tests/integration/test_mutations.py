@@ -5,15 +5,15 @@ The failures (README "Why"): (1) a key the engine's loader skips without a word 
 captures its default layers; (3) the server started with EAGLE, not EAGLE3, so no aux state reaches fc;
 (4) d2t turned into absolute ids; (5) fc zeroed (a "loaded" weight that carries nothing); (6) an fc of
 single-layer width (the draft fed one 576-dim state, not 3 concatenated). verify = engine-free checks
-plus the engine's OWN class, loader and config resolution (pipeline/tools/verify.py); doctor =
+plus the engine's OWN class, loader and config resolution (pipeline/engines/verify.py); doctor =
 pipeline/tools/doctor.py.
 """
 
 import pytest
 from mutations import absolute_d2t, pre_rename_keys, prefix_keys, single_layer_fc, zero_fc
 
+from pipeline.engines.verify import check_export, engine_problems, engine_report
 from pipeline.tools.doctor import diagnose
-from pipeline.tools.verify import check_export, engine_problems, engine_report
 
 pytestmark = pytest.mark.slow
 

@@ -6,11 +6,11 @@ from http.server import BaseHTTPRequestHandler, HTTPServer
 
 import pytest
 
-from pipeline.data.sources import load_conversations
+from pipeline.data.chat_tokens import tokenize_with_mask
+from pipeline.data.mixture import load_conversations
 from pipeline.formats.prepared import load as load_prepared
 from pipeline.models import targets
 from pipeline.stages import prepare
-from pipeline.stages.prepare import tokenize_with_mask
 
 pytestmark = pytest.mark.slow
 

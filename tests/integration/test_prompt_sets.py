@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from pipeline.acceptance.prompts import set_prompts
 from pipeline.data import prompt_sets
 from pipeline.errors import UserError
 from pipeline.runner import run_stages
@@ -85,7 +86,6 @@ def test_mt_bench_turn2_asks_the_second_turn_after_the_targets_own_greedy_first_
     from pipeline.acceptance import offline
     from pipeline.capture import features
     from pipeline.models import targets
-    from pipeline.stages import evaluate
 
     run_dir = tmp_path / "run"
     shutil.copytree(exported_run[0], run_dir)
@@ -136,7 +136,7 @@ def test_mt_bench_turn2_asks_the_second_turn_after_the_targets_own_greedy_first_
                 )
             )
         )
-    got = evaluate.set_prompts(cfg, store, "mt_bench_turn2", 2, cfg.eval.prompt_tokens, offline)
+    got = set_prompts(cfg, store, "mt_bench_turn2", 2, cfg.eval.prompt_tokens, offline)
     assert got == expected
     run_stages(cfg)
     table = json.loads((run_dir / "eval" / "sets.json").read_text())

@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from pipeline.engines.verify import ENGINES_PYTHON
 from pipeline.errors import UserError
 from pipeline.formats.feature_store import FeatureStore
 from pipeline.runner import run_stages
 from pipeline.tools.parity import compare, relative_errors
-from pipeline.tools.verify import ENGINES_PYTHON
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]

@@ -42,8 +42,8 @@ def test_trained_draft_beats_an_untrained_one_on_held_out_samples(tiny_run):
 
 
 def test_the_validation_split_is_recorded_and_evaluate_prompts_only_from_it(tiny_run):
+    from pipeline.acceptance.prompts import heldout_prompts
     from pipeline.data.features_dataset import split
-    from pipeline.stages.evaluate import heldout_prompts
 
     cfg, run_dir = tiny_run
     summary = json.loads((run_dir / "train" / "final" / "train_summary.json").read_text())

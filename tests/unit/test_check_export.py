@@ -7,7 +7,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from pipeline.tools.verify import check_export
+from pipeline.engines.verify import check_export
 
 H, HEADS, KV, HEAD_DIM, INTER, V, DRAFT_V = 8, 2, 1, 4, 16, 32, 8
 AUX = [1, 4, 6]

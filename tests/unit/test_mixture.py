@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 
 from pipeline.data.features_dataset import split
-from pipeline.data.sources import load_conversations
+from pipeline.data.mixture import load_conversations
 from pipeline.errors import UserError
 from pipeline.formats import prepared
 

@@ -3,7 +3,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from pipeline.data.sources import _split_indices, chitchat_conversations, load_conversations
+from pipeline.corpora import chitchat_conversations
+from pipeline.data.mixture import load_conversations
+from pipeline.data.sources import _split_indices
 from pipeline.errors import UserError
 
 
@@ -180,7 +182,7 @@ def test_embedded_chatterbot_loads_the_english_corpus_and_counts_what_it_cannot_
 
 def test_chatterbot_utterances_stay_the_text_they_are(tmp_path):
     """YAML 1.1 reads `Yes` as True and `042` as 34; the corpus's utterances are text."""
-    from pipeline.data.sources import chatterbot_conversations
+    from pipeline.corpora import chatterbot_conversations
 
     (tmp_path / "t.yml").write_text("categories: [t]\nconversations:\n- - Yes\n  - '042'\n  - 042\n  - off\n")
     (conv,) = chatterbot_conversations(str(tmp_path))

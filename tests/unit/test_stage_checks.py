@@ -3,6 +3,7 @@ naming every bad key, before the stage touches anything."""
 
 import pytest
 
+from pipeline.acceptance.prompts import heldout_prompts
 from pipeline.errors import UserError
 from pipeline.stages import evaluate, export, train, vocab
 
@@ -137,6 +138,4 @@ def test_evaluate_of_a_draft_trained_without_held_out_samples_names_val_fraction
     final.mkdir(parents=True)
     (final / "train_summary.json").write_text(json.dumps({"val_samples": []}))
     with pytest.raises(UserError, match=r"trained with no held-out samples \(train.val_fraction=0\)"):
-        evaluate.heldout_prompts(
-            make_cfg("+experiment=tiny", run_dir=tmp_path), store=None, n=3, prompt_tokens=512
-        )
+        heldout_prompts(make_cfg("+experiment=tiny", run_dir=tmp_path), store=None, n=3, prompt_tokens=512)
