@@ -22,6 +22,8 @@ from pipeline.capture import features
 from pipeline.capture.hf import Capture, plan_batches
 from pipeline.errors import UserError
 from pipeline.formats import feature_store as fs
+from pipeline.formats import shard_regions
+from pipeline.formats import store_writer as sw
 from pipeline.formats.run_dir import RunDir
 from pipeline.models import targets
 
@@ -52,16 +54,16 @@ def out_dir(cfg) -> Path:
     return RunDir.of(cfg).features
 
 
-def plan_shards(lengths: np.ndarray, shard_tokens: int) -> list[fs.ShardSpec]:
+def plan_shards(lengths: np.ndarray, shard_tokens: int) -> list[sw.ShardSpec]:
     """Contiguous sample ranges; a shard closes when the next sample would push it past shard_tokens."""
     shards, start, current = [], 0, []
     for i, n in enumerate(lengths.tolist()):
         if current and sum(current) + n > shard_tokens:
-            shards.append(fs.ShardSpec(len(shards), start, current))
+            shards.append(sw.ShardSpec(len(shards), start, current))
             start, current = i, []
         current.append(n)
     if current:
-        shards.append(fs.ShardSpec(len(shards), start, current))
+        shards.append(sw.ShardSpec(len(shards), start, current))
     return shards
 
 
@@ -119,7 +121,7 @@ def _open_store(cfg, facts: dict, data_parallel: bool = False) -> dict:
     group with eaglepipe)."""
     rank, _ = ranks()
     if rank == 0 or backend(cfg) != "sglang" and not data_parallel:
-        manifest = fs.open_for_writing(out_dir(cfg), facts, overwrite=cfg.extract.overwrite)
+        manifest = sw.open_for_writing(out_dir(cfg), facts, overwrite=cfg.extract.overwrite)
         if data_parallel:
             _process_group().barrier()
         return manifest
@@ -200,10 +202,10 @@ def _shard_writer(cfg, spec, facts: dict, widths: tuple[int, int], shared: bool)
     writer = str(getattr(ex.writer, "value", ex.writer))
     if shared:
         try:
-            return fs.ShardWriter(*args, shared=True, writer=writer)
+            return sw.ShardWriter(*args, shared=True, writer=writer)
         except OSError:  # posix_fallocate: another process took the room since the check
             pass
-    return fs.ShardWriter(*args, writer=writer)
+    return sw.ShardWriter(*args, writer=writer)
 
 
 def _writer_processes(ex, widths: tuple[int, int], fp8: bool):
@@ -215,14 +217,14 @@ def _writer_processes(ex, widths: tuple[int, int], fp8: bool):
     if ex.write_workers <= 1:
         return None
     local = int(os.environ.get("LOCAL_WORLD_SIZE", 1))  # data-parallel ranks of this node share its /dev/shm
-    need = 2 * local * fs.ShardWriter.shared_bytes(ex.shard_tokens, widths, fp8)
-    free = fs.shard_regions.shm_free_bytes()
+    need = 2 * local * sw.ShardWriter.shared_bytes(ex.shard_tokens, widths, fp8)
+    free = shard_regions.shm_free_bytes()
     if free < need:
         log.warning(
             "extract.write_workers=%d: %s has %.1f GB free, two shards in flight on %d rank(s) need %.1f GB "
             "(extract.shard_tokens=%d); this process writes every shard",
             ex.write_workers,
-            fs.shard_regions.SHM_DIR,
+            shard_regions.SHM_DIR,
             free / 1e9,
             local,
             need / 1e9,
@@ -236,11 +238,11 @@ def _writer_processes(ex, widths: tuple[int, int], fp8: bool):
     pool = ProcessPoolExecutor(
         max_workers=ex.write_workers,
         mp_context=multiprocessing.get_context("spawn"),
-        initializer=fs.shard_regions.watch_parent,
+        initializer=shard_regions.watch_parent,
     )
     for _ in range(ex.write_workers):
-        pool.submit(fs.shard_regions.ready)  # the processes start while the first shard computes
-    log.info("extract: %d writer processes, shard buffers in %s", ex.write_workers, fs.shard_regions.SHM_DIR)
+        pool.submit(shard_regions.ready)  # the processes start while the first shard computes
+    log.info("extract: %d writer processes, shard buffers in %s", ex.write_workers, shard_regions.SHM_DIR)
     return pool
 
 
@@ -314,7 +316,7 @@ def extract_shards(
         log.warning(
             "extract: %d shard(s) written by this process alone: %s had no room for their buffers",
             in_process,
-            fs.shard_regions.SHM_DIR,
+            shard_regions.SHM_DIR,
         )
     bar.close()
     log.info(

@@ -79,20 +79,20 @@ def test_a_shard_writer_falls_back_to_its_own_buffers_when_dev_shm_fills_after_t
     from types import SimpleNamespace
 
     from pipeline.capture import store as extract
-    from pipeline.formats import feature_store as fs
+    from pipeline.formats import store_writer as sw
 
-    real = fs.ShardWriter
+    real = sw.ShardWriter
 
     def no_room(*a, shared=False, **k):
         if shared:
             raise OSError(28, "No space left on device")
         return real(*a, **k)
 
-    monkeypatch.setattr(fs, "ShardWriter", no_room)
+    monkeypatch.setattr(sw, "ShardWriter", no_room)
     cfg = SimpleNamespace(
         run_dir=str(tmp_path),
         extract=SimpleNamespace(chunk_tokens=3, compressor="blosc_lz4", clevel=3, writer="zarr"),
     )
     monkeypatch.setattr(extract, "out_dir", lambda cfg: tmp_path)
-    w = extract._shard_writer(cfg, fs.ShardSpec(0, 0, [2]), {"hidden_size": 4}, (8, 4), shared=True)
+    w = extract._shard_writer(cfg, sw.ShardSpec(0, 0, [2]), {"hidden_size": 4}, (8, 4), shared=True)
     assert isinstance(w, real) and w.shared is None

@@ -5,16 +5,18 @@ import pytest
 import torch
 
 from pipeline.formats import feature_store as fs
+from pipeline.formats import shard_regions
+from pipeline.formats import store_writer as sw
 
 FACTS = {"aux_layer_ids": [1, 2], "hidden_size": 4, "target_fingerprint": "abc"}
 
 
 def _write(root, lengths, compressor="blosc_zstd", seed=0, facts=FACTS, pool=None):
     g = torch.Generator().manual_seed(seed)
-    manifest = fs.open_for_writing(root, facts)
-    writer = fs.ShardWriter(
+    manifest = sw.open_for_writing(root, facts)
+    writer = sw.ShardWriter(
         root,
-        fs.ShardSpec(0, 0, lengths),
+        sw.ShardSpec(0, 0, lengths),
         facts,
         (8, 4),
         chunk_tokens=3,
@@ -83,25 +85,25 @@ def test_arrays_record_bf16_as_logical_dtype(tmp_path):
 def test_store_refuses_features_from_other_facts(tmp_path):
     _write(tmp_path, [3])
     with pytest.raises(fs.StoreError, match="aux_layer_ids"):
-        fs.open_for_writing(tmp_path, {**FACTS, "aux_layer_ids": [1, 3]})
-    fs.open_for_writing(tmp_path, {**FACTS, "aux_layer_ids": [1, 3]}, overwrite=True)
+        sw.open_for_writing(tmp_path, {**FACTS, "aux_layer_ids": [1, 3]})
+    sw.open_for_writing(tmp_path, {**FACTS, "aux_layer_ids": [1, 3]}, overwrite=True)
     assert json.loads((tmp_path / "manifest.json").read_text())["shards"] == []
 
 
 def test_uncommitted_shards_are_invisible_and_cleaned(tmp_path):
-    manifest = fs.open_for_writing(tmp_path, FACTS)
-    writer = fs.ShardWriter(tmp_path, fs.ShardSpec(0, 0, [2]), FACTS, (8, 4), chunk_tokens=2)
+    manifest = sw.open_for_writing(tmp_path, FACTS)
+    writer = sw.ShardWriter(tmp_path, sw.ShardSpec(0, 0, [2]), FACTS, (8, 4), chunk_tokens=2)
     writer.write(0, np.arange(2), np.ones(2), torch.zeros(2, 8).bfloat16(), torch.zeros(2, 4).bfloat16())
     assert len(fs.FeatureStore(tmp_path)) == 0  # written, not committed
     (tmp_path / "shard-00001.zarr").mkdir()  # renamed but never entered in the manifest
-    fs.open_for_writing(tmp_path, FACTS)
+    sw.open_for_writing(tmp_path, FACTS)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["manifest.json"]
     assert manifest["shards"] == []
 
 
 def test_commit_refuses_a_shard_with_unwritten_samples(tmp_path):
-    manifest = fs.open_for_writing(tmp_path, FACTS)
-    writer = fs.ShardWriter(tmp_path, fs.ShardSpec(0, 0, [2, 2]), FACTS, (8, 4), chunk_tokens=2)
+    manifest = sw.open_for_writing(tmp_path, FACTS)
+    writer = sw.ShardWriter(tmp_path, sw.ShardSpec(0, 0, [2, 2]), FACTS, (8, 4), chunk_tokens=2)
     writer.write(0, np.arange(2), np.ones(2), torch.zeros(2, 8).bfloat16(), torch.zeros(2, 4).bfloat16())
     with pytest.raises(RuntimeError, match="1 samples never written"):
         writer.commit(manifest)
@@ -159,8 +161,8 @@ def test_a_missing_chunk_file_is_damage_not_zeros(tmp_path):
 
 def test_all_zero_chunks_are_written_so_a_missing_one_is_detectable(tmp_path):
     g = torch.Generator().manual_seed(0)
-    manifest = fs.open_for_writing(tmp_path, FACTS)
-    writer = fs.ShardWriter(tmp_path, fs.ShardSpec(0, 0, [6]), FACTS, (8, 4), chunk_tokens=3)
+    manifest = sw.open_for_writing(tmp_path, FACTS)
+    writer = sw.ShardWriter(tmp_path, sw.ShardSpec(0, 0, [6]), FACTS, (8, 4), chunk_tokens=3)
     writer.write(
         0, np.zeros(6), np.zeros(6), torch.zeros(6, 8).bfloat16(), torch.randn(6, 4, generator=g).bfloat16()
     )
@@ -191,8 +193,8 @@ def test_a_store_from_before_checksums_is_refused_with_the_fix(tmp_path):
     with pytest.raises(fs.StoreError, match="before chunk checksums.*extract.overwrite=true"):
         fs.FeatureStore(tmp_path)
     with pytest.raises(fs.StoreError, match="schema 1"):
-        fs.open_for_writing(tmp_path, FACTS)  # never resumed into
-    fs.open_for_writing(tmp_path, FACTS, overwrite=True)
+        sw.open_for_writing(tmp_path, FACTS)  # never resumed into
+    sw.open_for_writing(tmp_path, FACTS, overwrite=True)
     assert json.loads((tmp_path / "manifest.json").read_text())["schema_version"] == 2
 
 
@@ -261,8 +263,8 @@ def test_fp8_encoding_in_chunks_of_tokens_is_bit_identical_to_one_pass():
 
 
 def test_an_fp8_shard_is_written_as_uint8_plus_scales_and_read_back_as_bf16(tmp_path):
-    manifest = fs.open_for_writing(tmp_path, FP8_FACTS)
-    writer = fs.ShardWriter(tmp_path, fs.ShardSpec(0, 0, [5, 7]), FP8_FACTS, (8, 4), chunk_tokens=3)
+    manifest = sw.open_for_writing(tmp_path, FP8_FACTS)
+    writer = sw.ShardWriter(tmp_path, sw.ShardSpec(0, 0, [5, 7]), FP8_FACTS, (8, 4), chunk_tokens=3)
     want = []
     for i, n in enumerate([5, 7]):
         aux, last = _heavy_tailed(n, 8, seed=i), _heavy_tailed(n, 4, seed=10 + i)
@@ -294,7 +296,7 @@ def test_an_fp8_shard_is_written_as_uint8_plus_scales_and_read_back_as_bf16(tmp_
 def test_an_fp8_store_is_not_a_bf16_store(tmp_path):
     _write(tmp_path, [3, 4])
     with pytest.raises(fs.StoreError, match="store_dtype: store=None asked='fp8_e4m3'"):
-        fs.open_for_writing(tmp_path, FP8_FACTS)
+        sw.open_for_writing(tmp_path, FP8_FACTS)
 
 
 def test_threads_committing_shards_at_once_lose_no_manifest_entry_even_where_flock_is_per_process(
@@ -308,14 +310,14 @@ def test_threads_committing_shards_at_once_lose_no_manifest_entry_even_where_flo
     import threading
     import time
 
-    fs.open_for_writing(tmp_path, FACTS)
+    sw.open_for_writing(tmp_path, FACTS)
     monkeypatch.setattr(fs.fcntl, "flock", lambda f, op: None)  # fake_nfs_flock: no exclusion between threads
     real_read = fs.read_manifest
     monkeypatch.setattr(fs, "read_manifest", lambda root: (time.sleep(0.02), real_read(root))[1])
     entries = [
         {"name": fs.shard_name(i), "sample_start": i, "sample_end": i + 1, "num_tokens": 1} for i in range(8)
     ]
-    threads = [threading.Thread(target=fs.add_shard, args=(tmp_path, e)) for e in entries]
+    threads = [threading.Thread(target=sw.add_shard, args=(tmp_path, e)) for e in entries]
     for t in threads:
         t.start()
     for t in threads:
@@ -351,11 +353,11 @@ def test_a_shard_written_by_writer_processes_is_byte_for_byte_this_process_shard
             self.pool, self.ranges = pool, 0
 
         def submit(self, fn, *args):
-            self.ranges += fn is fs.shard_regions.write_region
+            self.ranges += fn is shard_regions.write_region
             return self.pool.submit(fn, *args)
 
     with ProcessPoolExecutor(2, mp_context=multiprocessing.get_context("spawn")) as pool:
-        pids = {f.result() for f in [pool.submit(fs.shard_regions.ready) for _ in range(4)]}
+        pids = {f.result() for f in [pool.submit(shard_regions.ready) for _ in range(4)]}
         counted = Counted(pool)
         _, segments = _write(tmp_path / "procs", lengths, "blosc_lz4", facts=facts, pool=counted)
     assert os.getpid() not in pids and segments
@@ -368,7 +370,7 @@ def test_a_shard_written_by_writer_processes_is_byte_for_byte_this_process_shard
 
 def test_writer_regions_are_whole_chunks_that_cover_the_array_once():
     for total, chunk, pieces in [(56, 3, 32), (56, 3, 2), (7, 512, 4), (1024, 512, 8), (1025, 512, 1)]:
-        r = fs.shard_regions.regions(total, chunk, pieces)
+        r = shard_regions.regions(total, chunk, pieces)
         assert r[0][0] == 0 and r[-1][1] == total and len(r) <= pieces
         assert all(a % chunk == 0 and b > a for a, b in r) and all(
             r[i][1] == r[i + 1][0] for i in range(len(r) - 1)
@@ -376,8 +378,8 @@ def test_writer_regions_are_whole_chunks_that_cover_the_array_once():
 
 
 def test_commit_with_a_pool_refuses_a_writer_without_shared_buffers(tmp_path):
-    manifest = fs.open_for_writing(tmp_path, FACTS)
-    w = fs.ShardWriter(tmp_path, fs.ShardSpec(0, 0, [1]), FACTS, (8, 4), chunk_tokens=3)
+    manifest = sw.open_for_writing(tmp_path, FACTS)
+    w = sw.ShardWriter(tmp_path, sw.ShardSpec(0, 0, [1]), FACTS, (8, 4), chunk_tokens=3)
     w.write(0, np.arange(1), np.ones(1), torch.zeros(1, 8).bfloat16(), torch.zeros(1, 4).bfloat16())
     with pytest.raises(ValueError, match="shared=True"):
         w.commit(manifest, pool=object())
@@ -389,7 +391,7 @@ def test_an_uncommitted_shared_writer_discards_its_shared_memory(tmp_path):
     in /dev/shm until the process ends: discard() unlinks it."""
     from multiprocessing import shared_memory
 
-    w = fs.ShardWriter(tmp_path, fs.ShardSpec(0, 0, [4]), FACTS, (8, 4), chunk_tokens=3, shared=True)
+    w = sw.ShardWriter(tmp_path, sw.ShardSpec(0, 0, [4]), FACTS, (8, 4), chunk_tokens=3, shared=True)
     names = [seg.name for seg in w.shared.segments.values()]
     w.write(0, np.arange(4), np.ones(4), torch.zeros(4, 8).bfloat16(), torch.zeros(4, 4).bfloat16())
     w.discard()

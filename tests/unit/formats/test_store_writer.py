@@ -16,6 +16,7 @@ import torch
 import zarr
 
 from pipeline.formats import feature_store as fs
+from pipeline.formats import store_writer as sw
 
 FACTS = {"aux_layer_ids": [1, 2], "hidden_size": 4, "target_fingerprint": "abc"}
 FP8_FACTS = {**FACTS, "store_dtype": fs.FP8}
@@ -24,15 +25,15 @@ ROOT = Path(__file__).resolve().parents[3]
 
 def write_store(root, shards, writer, facts=FACTS, compressor="blosc_lz4", chunk_tokens=3):
     """`shards`: per shard, its sample lengths; the samples' values depend on (shard, sample) only."""
-    manifest = fs.open_for_writing(root, facts)
+    manifest = sw.open_for_writing(root, facts)
     start = 0
     for index, lengths in enumerate(shards):
         if any(s["name"] == fs.shard_name(index) for s in manifest["shards"]):
             start += len(lengths)
             continue
-        w = fs.ShardWriter(
+        w = sw.ShardWriter(
             root,
-            fs.ShardSpec(index, start, lengths),
+            sw.ShardSpec(index, start, lengths),
             facts,
             (8, 4),
             chunk_tokens=chunk_tokens,
@@ -114,16 +115,16 @@ KILLED = """
 import sys, time
 from pathlib import Path
 sys.path.insert(0, {tests!r})
-from pipeline.formats import feature_store as fs
+from pipeline.formats import store_writer as sw
 import test_store_writer as t
 
-real = fs.write_with_tensorstore
+real = sw.write_with_tensorstore
 def half_then_stall(group_dir, buffers):
     names = list(buffers)
     real(group_dir, {{n: buffers[n] for n in names[: len(names) // 2 + 1]}})  # some arrays' chunks on disk
     Path({marker!r}).touch()
     time.sleep(120)  # killed here, the shard half written
-fs.write_with_tensorstore = half_then_stall
+sw.write_with_tensorstore = half_then_stall
 t.write_store(Path({root!r}), t.SHARDS, "tensorstore")
 """
 
