@@ -1,4 +1,4 @@
-"""The exported draft's reference forward (pipeline.acceptance.offline.ExportedDraft) against speculators' own
+"""The exported draft's reference forward (pipeline.acceptance.ExportedDraft) against speculators' own
 forward of the trained weights, on one sample: the logits of TTT step 0. Shared by test_evaluate (Llama
 target,
 default rope) and test_kimi_tiny (DeepSeek-V3 target, yarn rope; the Llama and the MLA draft)."""
@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from pipeline.acceptance.offline import ExportedDraft
+from pipeline.acceptance.draft_model import ExportedDraft
 from pipeline.data.features_dataset import collate
 from pipeline.formats import export_layouts as lay
 from pipeline.models import draft, targets

@@ -6,7 +6,7 @@ same number of slots to every row, and a validity mask [B, slots] says which slo
 sequence. A rejected proposal's slot stays, masked out for good; positions count valid slots only.
 - target: one HF DynamicCache over B rows, the 2-D attention mask and per-row position ids passed each call;
   the aux states of the verified tokens come from the same capture hooks as extract's (capture.hf.Capture).
-- draft (offline.ExportedDraft, SGLang's forward of the exported tensors): a per-row cache of the per-head K
+- draft (ExportedDraft, SGLang's forward of the exported tensors): a per-row cache of the per-head K
 and
   V of its context (token t+1 with the target's fused aux state t); each round's chain entries (a proposal
   with

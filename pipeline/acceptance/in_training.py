@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from pipeline.acceptance import batched
-from pipeline.acceptance.offline import ExportedDraft
+from pipeline.acceptance.draft_model import ExportedDraft
 from pipeline.capture.hf import Capture
 from pipeline.data import prompt_sets
 from pipeline.errors import UserError

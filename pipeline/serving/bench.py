@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -34,200 +33,18 @@ from pathlib import Path
 
 from pipeline.errors import UserError
 from pipeline.serving.clients import ThreadClients
+from pipeline.serving.endpoint import (
+    VLLM_COUNTERS,
+    connect,
+    describe,
+    generate_one,
+    like_for_like,
+    speedup_note,
+    vllm_counters,
+)
 
 log = logging.getLogger(__name__)
-VLLM_COUNTERS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
-# what an SGLang server says it runs (/get_server_info): recorded beside each bench, so a speedup is read
-# against
-# the settings that made it (CUDA graphs off cost a 135M target 10x on the H200: BENCHMARKS.md, SGLang for
-# real)
-SGLANG_FACTS = (
-    "version",
-    "model_path",
-    "speculative_algorithm",
-    "speculative_draft_model_path",
-    "speculative_num_steps",
-    "speculative_eagle_topk",
-    "speculative_num_draft_tokens",
-    "attention_backend",
-    "disable_cuda_graph",
-    "cuda_graph_max_bs",
-)
 SIDES = ("speculative", "baseline")
-
-
-def detect_engine(client, url: str) -> str:
-    if client.get(url + "/get_server_info").status_code == 200:
-        return "sglang"
-    if client.get(url + "/metrics").status_code == 200 and "vllm:" in client.get(url + "/metrics").text:
-        return "vllm"
-    raise UserError(f"{url} answers neither SGLang's /get_server_info nor vLLM's /metrics")
-
-
-def vllm_counters(client, url: str) -> dict:
-    """Sum of each spec-decode counter over label sets (one per engine); per-position counters by position."""
-    out: dict = {"per_pos": {}}
-    for line in client.get(url + "/metrics").text.splitlines():
-        m = re.match(r"vllm:spec_decode_(num_\w+?)(?:_total)?(\{[^}]*\})?\s+([0-9.eE+-]+)$", line)
-        if not m:
-            continue
-        name, labels, value = m.group(1), m.group(2) or "", float(m.group(3))
-        if name == "num_accepted_tokens_per_pos":
-            pos = int(re.search(r'position="(\d+)"', labels).group(1))
-            out["per_pos"][pos] = out["per_pos"].get(pos, 0.0) + value
-        elif name in VLLM_COUNTERS:
-            out[name] = out.get(name, 0.0) + value
-    return out
-
-
-def server_facts(client, url: str, engine: str) -> dict:
-    """The server's own account of what it runs: SGLang's /get_server_info (SGLANG_FACTS), vLLM's /version. A
-    server that will not say is recorded as such; it never fails the bench."""
-    import httpx
-
-    try:
-        if engine == "sglang":
-            info = client.get(url + "/get_server_info").json()
-            return {k: info.get(k) for k in SGLANG_FACTS}
-        r = client.get(url + "/version")
-        return {"version": r.json().get("version")} if r.status_code == 200 else {}
-    except (httpx.HTTPError, ValueError) as e:
-        return {"error": f"{type(e).__name__}: {e}"}
-
-
-def speedup_note(spec: dict, base: dict, speedup: float | None) -> str | None:
-    """One line when speculation made the server slower, saying what the recorded settings (bench's `server`)
-    point to."""
-    if speedup is None or speedup >= 1:
-        return None
-    graphs = (spec["server"].get("disable_cuda_graph"), base["server"].get("disable_cuda_graph"))
-    if graphs == (True, False):
-        why = (
-            "the speculative server runs without CUDA graphs and the baseline with them, so this is not "
-            "like for like"
-        )
-    elif graphs == (True, True):
-        why = (
-            "neither server runs CUDA graphs: a small target is launch-bound, and each round adds the "
-            "draft's "
-            "steps and a verify pass"
-        )
-    else:
-        why = "the accepted tokens do not pay for the draft's steps on this server"
-    at = f", accept length {spec['accept_length']:.2f}" if spec.get("accept_length") else ""
-    return f"the speculative server is slower than the baseline (x{speedup:.2f}{at}): {why}"
-
-
-def _generate(client, url: str, engine: str, model: str | None, prompt: list[int], max_new: int) -> dict:
-    if engine == "sglang":
-        r = client.post(
-            url + "/generate",
-            json={"input_ids": prompt, "sampling_params": {"max_new_tokens": max_new, "temperature": 0.0}},
-        )
-    else:
-        r = client.post(
-            url + "/v1/completions",
-            json={"model": model, "prompt": prompt, "max_tokens": max_new, "temperature": 0.0},
-        )
-    if r.status_code != 200:
-        raise UserError(f"{url}: HTTP {r.status_code}: {r.text[:200]}")
-    body = r.json()
-    if engine == "sglang":
-        meta = body.get("meta_info") or {}
-        return {
-            "completion_tokens": int(meta.get("completion_tokens", 0)),
-            "verify_ct": int(meta.get("spec_verify_ct", 0)),
-            "text": body.get("text") or "",
-        }
-    choices = body.get("choices") or [{}]
-    return {
-        "completion_tokens": int(body["usage"]["completion_tokens"]),
-        "verify_ct": 0,
-        "text": choices[0].get("text") or "",
-    }
-
-
-def _connect(client, url: str) -> tuple[str, str | None]:
-    """(engine, served model name: vLLM's completions need it) of the server at url; unreachable: one line."""
-    import httpx
-
-    try:
-        engine = detect_engine(client, url)
-    except httpx.HTTPError as e:
-        raise UserError(f"eval endpoint {url}: {type(e).__name__}: {e}; is the server running?") from None
-    return engine, client.get(url + "/v1/models").json()["data"][0]["id"] if engine == "vllm" else None
-
-
-def describe(client, url: str) -> dict:
-    """What a server is, read before any request: engine, served model name, the target it serves (SGLang's
-    model_path, vLLM's /v1/models root), whether it speculates (SGLang: speculative_algorithm; vLLM:
-    spec-decode
-    counters at /metrics) and its own settings."""
-    engine, model = _connect(client, url)
-    facts = server_facts(client, url, engine)
-    if engine == "sglang":
-        target, speculates = facts.get("model_path"), bool(facts.get("speculative_algorithm"))
-    else:
-        row = client.get(url + "/v1/models").json()["data"][0]
-        target, speculates = (
-            row.get("root") or row.get("id"),
-            "vllm:spec_decode_" in client.get(url + "/metrics").text,
-        )
-    return {
-        "endpoint": url,
-        "engine": engine,
-        "model": model,
-        "target": target,
-        "speculates": speculates,
-        "server": facts,
-    }
-
-
-class NotLikeForLike(UserError):
-    """A pair of servers whose speedup would not mean what it says; `side`: the server at fault (speculative,
-    baseline) or both (pair)."""
-
-    def __init__(self, side: str, message: str):
-        super().__init__(message)
-        self.side = side
-
-
-def like_for_like(spec: dict, base: dict | None) -> None:
-    """Refuse, in one line naming the fix, a pair of servers whose speedup would not mean what it says."""
-    if not spec["speculates"]:
-        raise NotLikeForLike(
-            "speculative",
-            f"eval.endpoint {spec['endpoint']} serves without speculative settings ({spec['engine']} "
-            "reports no speculative algorithm): start it with the export's serve.sh (EAGLE3 and the draft), "
-            "or give "
-            "that server as eval.baseline_endpoint",
-        )
-    if base is None:
-        return
-    if base["speculates"]:
-        raise NotLikeForLike(
-            "baseline",
-            f"eval.baseline_endpoint {base['endpoint']} is itself speculative ({base['engine']} reports a "
-            "speculative algorithm): start the baseline from serve.sh without the --speculative-* flags (the "
-            "same "
-            "target, plain decoding)",
-        )
-    if spec["target"] and base["target"] and spec["target"].rstrip("/") != base["target"].rstrip("/"):
-        raise NotLikeForLike(
-            "pair",
-            f"the two servers serve different targets ({spec['endpoint']}: {spec['target']}; "
-            f"{base['endpoint']}: {base['target']}): start the baseline with the speculative server's "
-            "--model-path",
-        )
-    if not (spec["target"] and base["target"]):
-        log.warning(
-            "online: a server does not say which target it serves (%s: %s, %s: %s): the speedup assumes "
-            "the same one",
-            spec["endpoint"],
-            spec["target"],
-            base["endpoint"],
-            base["target"],
-        )
 
 
 def spread(values: list[float]) -> dict:
@@ -246,7 +63,7 @@ def one_pass(client, server: dict, prompts: list[list[int]], max_new: int, concu
     timeout_s = getattr(getattr(client, "timeout", None), "read", None) or 300.0
     with ThreadClients(timeout_s) as clients, ThreadPoolExecutor(concurrency) as pool:
         results = list(
-            pool.map(lambda p: _generate(clients.get(), url, engine, server["model"], p, max_new), prompts)
+            pool.map(lambda p: generate_one(clients.get(), url, engine, server["model"], p, max_new), prompts)
         )
     wall = time.perf_counter() - t0
     tokens = sum(r["completion_tokens"] for r in results)
@@ -426,11 +243,11 @@ def greedy_answers(cfg, store, prompts: list[list[int]], max_new: int) -> list[s
     e = cfg.eval
     url = e.endpoint.rstrip("/")
     with httpx.Client(timeout=e.endpoint_timeout_s) as client:
-        engine, model = _connect(client, url)
+        engine, model = connect(client, url)
         with ThreadPoolExecutor(max(e.concurrency)) as pool:
             return [
                 r["text"].strip()
-                for r in pool.map(lambda p: _generate(client, url, engine, model, p, max_new), prompts)
+                for r in pool.map(lambda p: generate_one(client, url, engine, model, p, max_new), prompts)
             ]
 
 

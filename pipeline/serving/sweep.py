@@ -21,7 +21,7 @@ from pathlib import Path
 
 from pipeline.errors import UserError
 from pipeline.serving import bench as online
-from pipeline.serving import launch, server
+from pipeline.serving import endpoint, launch, server
 
 log = logging.getLogger(__name__)
 AXES = ("num_steps", "topk", "num_draft_tokens", "attention_backend", "cuda_graph_max_bs")
@@ -169,7 +169,7 @@ def _candidate(plan: Plan, bench: Bench, c: dict, base_url: str, i: int) -> dict
                 bench.warmup_prompts,
                 bench.timeout_s,
             )
-        except online.NotLikeForLike as e:
+        except endpoint.NotLikeForLike as e:
             out = {**row, "status": "refused", "reason": str(e)}
             return out if e.side == "speculative" else {**out, "abort": str(e)}
         row["report"] = report

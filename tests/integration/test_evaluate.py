@@ -38,7 +38,7 @@ def _target_and_draft(cfg, run_dir: Path):
     import torch
     from safetensors.torch import load_file
 
-    from pipeline.acceptance import offline
+    from pipeline.acceptance.draft_model import ExportedDraft
     from pipeline.capture.hf import Capture
     from pipeline.formats.run_dir import RunDir
     from pipeline.models import targets
@@ -47,7 +47,7 @@ def _target_and_draft(cfg, run_dir: Path):
     folder = Path(store.facts["target_path"])
     model = targets.load_model(folder, cfg.target, "cpu", torch.float32, "sdpa")
     export = run_dir / "export" / "sglang"
-    dr = offline.ExportedDraft(
+    dr = ExportedDraft(
         load_file(str(export / "model.safetensors")),
         json.loads((export / "config.json").read_text()),
         model.get_input_embeddings().weight.detach(),

@@ -15,6 +15,7 @@ from sglang_like_server import handler
 
 from pipeline.errors import UserError
 from pipeline.serving import bench as online
+from pipeline.serving import endpoint
 
 SPEC = {"model_path": "/models/t", "speculative_algorithm": "EAGLE3", "speculative_num_steps": 3}
 PLAIN = {"model_path": "/models/t", "speculative_algorithm": None}
@@ -103,7 +104,7 @@ def test_each_concurrency_has_every_repeat_median_spread_and_the_paired_speedup(
 def test_what_is_not_like_for_like_is_refused_before_any_request(serve, spec_info, base_info, says):
     arrivals = []
     spec, base = serve(spec_info, log=arrivals, name="s"), serve(base_info, log=arrivals, name="b")
-    with pytest.raises(online.NotLikeForLike, match=says) as e:
+    with pytest.raises(endpoint.NotLikeForLike, match=says) as e:
         online.firm_bench(spec, base, PROMPTS, 8, [1], repeats=3, warmup=2, timeout_s=10)
     assert arrivals == [] and "\n" not in str(e.value)
 

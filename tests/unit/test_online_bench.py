@@ -6,6 +6,7 @@ import pytest
 
 from pipeline.errors import UserError
 from pipeline.serving import bench as online_bench
+from pipeline.serving import endpoint
 
 HEAD = """\
 # HELP vllm:spec_decode_num_drafts_total Number of spec decoding drafts.
@@ -70,7 +71,7 @@ class Client:
 
 def test_each_counter_is_read_with_or_without_the_total_suffix():
     text = metrics(40, 120, 66, [30, 22, 14]).replace("num_draft_tokens_total", "num_draft_tokens")
-    got = online_bench.vllm_counters(Client([text]), "http://x")
+    got = endpoint.vllm_counters(Client([text]), "http://x")
     assert got == {
         "num_drafts": 40.0,
         "num_draft_tokens": 120.0,
@@ -80,9 +81,7 @@ def test_each_counter_is_read_with_or_without_the_total_suffix():
 
 
 def test_counters_are_summed_over_engines_and_other_metrics_ignored():
-    got = online_bench.vllm_counters(
-        Client([metrics(40, 120, 66, [30, 22, 14], engines=("0", "1"))]), "http://x"
-    )
+    got = endpoint.vllm_counters(Client([metrics(40, 120, 66, [30, 22, 14], engines=("0", "1"))]), "http://x")
     assert got == {
         "num_drafts": 40.0,
         "num_draft_tokens": 120.0,
@@ -92,14 +91,14 @@ def test_counters_are_summed_over_engines_and_other_metrics_ignored():
 
 
 def test_a_server_without_speculation_has_no_counters():
-    assert online_bench.vllm_counters(
-        Client([HEAD + 'vllm:num_requests_running{engine="0"} 0.0\n']), "u"
-    ) == {"per_pos": {}}
+    assert endpoint.vllm_counters(Client([HEAD + 'vllm:num_requests_running{engine="0"} 0.0\n']), "u") == {
+        "per_pos": {}
+    }
 
 
 def test_scientific_notation_values_are_read():
     text = 'vllm:spec_decode_num_drafts_total{engine="0"} 1.5e+03\n'
-    assert online_bench.vllm_counters(Client([text]), "u")["num_drafts"] == 1500.0
+    assert endpoint.vllm_counters(Client([text]), "u")["num_drafts"] == 1500.0
 
 
 def test_accept_length_comes_from_the_counters_difference_over_the_bench(monkeypatch):
@@ -138,7 +137,7 @@ def test_a_server_of_neither_engine_is_one_clear_error():
             return Response(404)
 
     with pytest.raises(UserError, match="answers neither SGLang's /get_server_info nor vLLM's /metrics"):
-        online_bench.detect_engine(Nothing(), "http://x")
+        endpoint.detect_engine(Nothing(), "http://x")
 
 
 class Ctx:
