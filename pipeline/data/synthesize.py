@@ -17,6 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from pipeline.data import regenerate as regen
+from pipeline.data.endpoint_client import EndpointClient, Failed, Progress
 from pipeline.data.journal import key
 from pipeline.errors import UserError
 
@@ -173,7 +174,7 @@ def _generate(cfg, folder, tok, endpoint, prefix: str, keys: list[str], missing:
     (on_failed_request=drop),
     or raises the one-line error (fail)."""
     p = cfg.prepare
-    progress = regen.Progress("prepare|synthesize", len(missing))
+    progress = Progress("prepare|synthesize", len(missing))
     if not endpoint:
         generate = regen.local_generator(cfg, folder, tok)
 
@@ -190,7 +191,7 @@ def _generate(cfg, folder, tok, endpoint, prefix: str, keys: list[str], missing:
         )
         progress.close()
         return {}
-    client = regen.EndpointClient(p, endpoint, p.regenerate_model or cfg.target.name, tok)
+    client = EndpointClient(p, endpoint, p.regenerate_model or cfg.target.name, tok)
     failed: dict[int, str] = {}
 
     def one(i: int) -> None:
@@ -202,7 +203,7 @@ def _generate(cfg, folder, tok, endpoint, prefix: str, keys: list[str], missing:
                 seed=cfg.seed * 1_000_003 + i,
                 stop=[tok.eos_token] if tok.eos_token else [],
             )
-        except regen.Failed as e:
+        except Failed as e:
             failed[i] = e.reason
             return
         journal.commit(keys[i], text, tokens)

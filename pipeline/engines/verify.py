@@ -25,6 +25,7 @@ from safetensors.torch import load_file
 
 from pipeline.errors import UserError
 from pipeline.formats import export_layouts as lay
+from pipeline.formats import sglang_params as sgl_params
 from pipeline.formats import vocab_map
 from pipeline.models import targets
 
@@ -283,7 +284,7 @@ def _sglang_replay(layout: lay.DraftArch, config: dict, tensors: dict, facts: di
         draft_vocab=int(c.get("draft_vocab_size") or 0),
     )
     if layout.name == "mla":
-        shape = lay.MLAShape(
+        shape = sgl_params.MLAShape(
             **common,
             q_lora=c["q_lora_rank"],
             kv_lora=c["kv_lora_rank"],
@@ -291,10 +292,10 @@ def _sglang_replay(layout: lay.DraftArch, config: dict, tensors: dict, facts: di
             nope=c["qk_nope_head_dim"],
             v=c["v_head_dim"],
         )
-        return lay.sglang_mla_load_report(tensors, lay.sglang_mla_param_table(shape))
-    shape = lay.Shape(
+        return sgl_params.sglang_mla_load_report(tensors, sgl_params.sglang_mla_param_table(shape))
+    shape = sgl_params.Shape(
         **common,
         kv_heads=c["num_key_value_heads"],
         head_dim=c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"],
     )
-    return lay.sglang_load_report(tensors, lay.sglang_param_table(shape))
+    return sgl_params.sglang_load_report(tensors, sgl_params.sglang_param_table(shape))

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from pipeline.capture import features
-from pipeline.config import Select
+from pipeline.config_choices import Select
 from pipeline.errors import UserError
 from pipeline.fingerprint import digest
 from pipeline.formats.run_dir import RunDir

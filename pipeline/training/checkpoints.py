@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from pipeline.config import Resume, Select
+from pipeline.config_choices import Resume, Select
 from pipeline.errors import UserError
 from pipeline.formats import checkpoint
 from pipeline.models import fsdp

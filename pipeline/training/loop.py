@@ -14,7 +14,7 @@ import torch
 from omegaconf import OmegaConf
 from tqdm import tqdm
 
-from pipeline.config import Select
+from pipeline.config_choices import Select
 from pipeline.data.features_dataset import (
     STORE_ERROR,
     PackDataset,

@@ -10,7 +10,7 @@ import torch
 from omegaconf import OmegaConf
 
 from pipeline import __version__
-from pipeline.config import Strategy
+from pipeline.config_choices import Strategy
 from pipeline.models import fsdp
 from pipeline.training.checkpoints import selected
 from pipeline.training.session import Plan, Session

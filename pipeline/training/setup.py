@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from pipeline.capture import features
-from pipeline.config import Strategy
+from pipeline.config_choices import Strategy
 from pipeline.data.features_dataset import (
     plan_packs,
     shard_for_rank,

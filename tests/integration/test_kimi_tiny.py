@@ -17,7 +17,7 @@ from exported_forward import exported_minus_speculators_logits
 from mutations import mutated_copy
 
 from pipeline.engines.verify import check_export, engine_problems, engine_report
-from pipeline.formats import export_layouts as lay
+from pipeline.formats import sglang_params as sgl_params
 from pipeline.runner import run_stages
 
 pytestmark = pytest.mark.slow
@@ -150,7 +150,7 @@ def test_the_mla_draft_trains_on_the_same_store_and_loads_completely_into_sglang
     # the loader concatenates q_a + kv_a before writing: consumed, found by content in the fused parameter
     assert report["consumed_fused"] == [ATTN + "kv_a_proj_with_mqa.weight", ATTN + "q_a_proj.weight"]
     # the engine-free replay's parameter table is the class's own
-    shape = lay.MLAShape(
+    shape = sgl_params.MLAShape(
         hidden=128,
         target_hidden=128,
         n_aux=3,
@@ -164,7 +164,7 @@ def test_the_mla_draft_trains_on_the_same_store_and_loads_completely_into_sglang
         vocab=1024,
         draft_vocab=config["draft_vocab_size"],
     )
-    assert {k: list(v) for k, v in lay.sglang_mla_param_table(shape).items()} == report["parameters"]
+    assert {k: list(v) for k, v in sgl_params.sglang_mla_param_table(shape).items()} == report["parameters"]
     tau = json.loads((run_dir / "eval" / "acceptance.json").read_text())
     assert all(tau["trained"][k]["greedy_mismatches"] == 0 for k in ("1", "2"))
 

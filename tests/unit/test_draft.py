@@ -19,6 +19,7 @@ def test_the_target_owned_names_are_the_drafts_and_everything_else_is_what_both_
     from types import SimpleNamespace
 
     from pipeline.formats import export_layouts as lay
+    from pipeline.formats import sglang_params as sgl_params
 
     t = SimpleNamespace(
         vocab_size=64,
@@ -40,7 +41,7 @@ def test_the_target_owned_names_are_the_drafts_and_everything_else_is_what_both_
         p.numel() for n, p in names.items() if n not in lay.TARGET_OWNED
     )
     # what is left is exactly what SGLang's loader writes (the embedding it takes from the target) ...
-    shape = lay.Shape(
+    shape = sgl_params.Shape(
         hidden=16,
         target_hidden=16,
         n_aux=3,
@@ -51,8 +52,8 @@ def test_the_target_owned_names_are_the_drafts_and_everything_else_is_what_both_
         vocab=64,
         draft_vocab=8,
     )
-    report = lay.sglang_load_report(
-        {lay.speculators_to_sglang_name(k): v for k, v in own.items()}, lay.sglang_param_table(shape)
+    report = sgl_params.sglang_load_report(
+        {lay.speculators_to_sglang_name(k): v for k, v in own.items()}, sgl_params.sglang_param_table(shape)
     )
     assert (report["dropped"], report["unwritten"], report["shape_problems"]) == ([], [], [])
     # ... and only names vLLM's eagle3 loader knows

@@ -16,7 +16,8 @@ import httpx
 import pytest
 from omegaconf import OmegaConf
 
-from pipeline.config import RegenerateServerConfig, ServerEngine
+from pipeline.config import RegenerateServerConfig
+from pipeline.config_choices import ServerEngine
 from pipeline.errors import UserError
 from pipeline.serving import regenerate_server as local_server
 

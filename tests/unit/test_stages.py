@@ -170,7 +170,7 @@ def test_a_stage_without_check_is_run_plainly(fakes, monkeypatch, tmp_path):
 
 
 def test_stage_enum_values_are_accepted_like_strings(fakes, tmp_path):
-    from pipeline.config import Stage
+    from pipeline.config_choices import Stage
 
     calls = fakes.calls
     stages.run_stages(OmegaConf.create({"stage": Stage.train, "run_dir": str(tmp_path)}))

@@ -6,7 +6,8 @@ from types import SimpleNamespace
 import pytest
 from omegaconf import OmegaConf
 
-from pipeline.config import Resume, TrainConfig
+from pipeline.config import TrainConfig
+from pipeline.config_choices import Resume
 from pipeline.errors import UserError
 from pipeline.formats import checkpoint as ckpt
 from pipeline.training import checkpoints

@@ -2,6 +2,7 @@ import pytest
 import torch
 
 from pipeline.formats import export_layouts as lay
+from pipeline.formats import sglang_params as sgl_params
 
 
 def test_engine_layer_numbering():
@@ -22,7 +23,7 @@ def test_sglang_deepseek_classes_number_aux_ids_by_their_first_element():
 
 
 def test_sglang_replay_fuses_stacked_shards_and_reports_unwritten_params():
-    s = lay.Shape(
+    s = sgl_params.Shape(
         hidden=8,
         target_hidden=8,
         n_aux=3,
@@ -33,7 +34,7 @@ def test_sglang_replay_fuses_stacked_shards_and_reports_unwritten_params():
         vocab=32,
         draft_vocab=4,
     )
-    table = lay.sglang_param_table(s)
+    table = sgl_params.sglang_param_table(s)
     tensors = {
         "midlayer.self_attn.q_proj.weight": torch.zeros(8, 16),
         "midlayer.self_attn.k_proj.weight": torch.zeros(4, 16),
@@ -42,13 +43,13 @@ def test_sglang_replay_fuses_stacked_shards_and_reports_unwritten_params():
         "d2t": torch.zeros(4, dtype=torch.long),
         "draft_model.norm.weight": torch.zeros(8),
     }
-    r = lay.sglang_load_report(tensors, table)
+    r = sgl_params.sglang_load_report(tensors, table)
     assert r["dropped"] == ["draft_model.norm.weight"] and r["shape_problems"] == []
     assert "model.norm.weight" in r["unwritten"] and "model.embed_tokens.weight" not in r["unwritten"]
     assert r["hot_token_id"].tolist() == [0, 1, 2, 3]
 
 
-MLA = lay.MLAShape(
+MLA = sgl_params.MLAShape(
     hidden=8,
     target_hidden=8,
     n_aux=3,
@@ -90,22 +91,22 @@ def _mla_tensors():
 
 
 def test_sglang_mla_replay_fuses_the_two_down_projections_only_when_both_come():
-    table = lay.sglang_mla_param_table(MLA)
-    good = lay.sglang_mla_load_report(_mla_tensors(), table)
+    table = sgl_params.sglang_mla_param_table(MLA)
+    good = sgl_params.sglang_mla_load_report(_mla_tensors(), table)
     assert good["dropped"] == good["unwritten"] == good["shape_problems"] == []
     # the layers.0.* spelling is this class's own (it maps it to midlayer.*): consumed the same
     renamed = {
         ("layers.0." + k[9:] if k.startswith("midlayer.") else k): v for k, v in _mla_tensors().items()
     }
-    assert lay.sglang_mla_load_report(renamed, table)["unwritten"] == []
+    assert sgl_params.sglang_mla_load_report(renamed, table)["unwritten"] == []
     lone = _mla_tensors()
     lone.pop("midlayer.self_attn.kv_a_proj_with_mqa.weight")  # q_a waits for a partner that never comes
-    r = lay.sglang_mla_load_report(lone, table)
+    r = sgl_params.sglang_mla_load_report(lone, table)
     assert r["dropped"] == ["midlayer.self_attn.q_a_proj.weight"]
     assert r["unwritten"] == ["model.midlayer.self_attn.fused_qkv_a_proj_with_mqa.weight"]
     wide = _mla_tensors()
     wide["midlayer.self_attn.kv_a_proj_with_mqa.weight"] = torch.zeros(20, 8)  # a 1H input: not EAGLE-3's 2H
-    assert lay.sglang_mla_load_report(wide, table)["shape_problems"]
+    assert sgl_params.sglang_mla_load_report(wide, table)["shape_problems"]
 
 
 def test_draft_kv_bytes_per_token_mla_latent_vs_gqa_heads():
