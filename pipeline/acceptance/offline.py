@@ -25,6 +25,7 @@ from pipeline.acceptance import batched
 from pipeline.acceptance.draft_model import ExportedDraft
 from pipeline.capture.hf import Capture
 from pipeline.formats import export_layouts as lay
+from pipeline.formats import train_summary
 from pipeline.formats.run_dir import RunDir
 from pipeline.models import draft as draft_lib
 from pipeline.models import targets
@@ -187,19 +188,7 @@ def measure(cfg, store, prompts: list[list[int]], out: Path) -> Path:
     }
     chunks = [prompts[i : i + e.batch_size] for i in range(0, len(prompts), e.batch_size)]
     eos = tok.eos_token_id
-    if e.batch_size > 1:
-        greedy_refs = [g for c in chunks for g in batched.greedy(model, capture, c, e.max_new_tokens, eos)]
-    else:  # plain greedy decoding, the reference every speculative run must equal
-        greedy_refs = [
-            model.generate(
-                torch.tensor([p], device=device),
-                max_new_tokens=e.max_new_tokens,
-                do_sample=False,
-                eos_token_id=eos,
-                pad_token_id=tok.pad_token_id,
-            )[0, len(p) :].tolist()
-            for p in prompts
-        ]
+    greedy_refs = _greedy_refs(model, capture, tok, device, prompts, chunks, e)
     ks = list(range(1, e.max_draft + 1))
     for name, dr in (("trained", trained), ("untrained", untrained)):
         report[name] = {}
@@ -210,52 +199,10 @@ def measure(cfg, store, prompts: list[list[int]], out: Path) -> Path:
             else None
         )
         for k in ks:
-            runs = (
-                all_runs[k]
-                if all_runs is not None
-                else [speculate(model, capture, dr, p, e.max_new_tokens, k, eos) for p in prompts]
+            report[name][str(k)] = _tau_at(
+                model, capture, dr, prompts, greedy_refs, all_runs, k, eos, e, name
             )
-            per_prompt, pooled_rounds, mismatches = [], [], 0
-            for (gen, rounds), greedy in zip(runs, greedy_refs):
-                mismatches += gen != greedy
-                per_prompt.append(sum(r + 1 for r in rounds) / max(len(rounds), 1))
-                pooled_rounds += rounds
-            accept = [
-                sum(r >= i for r in pooled_rounds) / max(sum(r >= i - 1 for r in pooled_rounds), 1)
-                for i in range(1, k + 1)
-            ]
-            report[name][str(k)] = {
-                "tau": sum(r + 1 for r in pooled_rounds) / max(len(pooled_rounds), 1),
-                "tau_per_prompt": per_prompt,
-                "accept_per_position": accept,
-                "target_forwards": len(pooled_rounds),
-                "greedy_mismatches": mismatches,
-            }
-            log.info(
-                "eval %s draft k=%d: tau %.3f, acceptance per position %s, greedy mismatches %d",
-                name,
-                k,
-                report[name][str(k)]["tau"],
-                [round(x, 3) for x in accept],
-                mismatches,
-            )
-        with torch.no_grad():
-            rows = [
-                teacher_forced(model, capture, dr, p, g).cpu()
-                for p, g in zip(prompts, greedy_refs)
-                if len(g) > 1
-            ]
-        hits = torch.cat(rows or [torch.zeros(0, dtype=torch.bool)])
-        tf = report.setdefault("teacher_forced_acc_0", {"tokens": len(hits)})
-        tf[name] = float(hits.float().mean()) if len(hits) else None
-        if name == "trained":  # do misses cluster? the hit rate right after a hit and right after a miss
-            prev, nxt = (
-                (torch.cat([r[:-1] for r in rows]), torch.cat([r[1:] for r in rows]))
-                if rows
-                else (hits, hits)
-            )
-            tf["after_hit"] = float(nxt[prev].float().mean()) if prev.any() else None
-            tf["after_miss"] = float(nxt[~prev].float().mean()) if (~prev).any() else None
+        _teacher_forced_acc(model, capture, dr, prompts, greedy_refs, name, report)
     # step-0 accuracy along the target's greedy continuations, beside training's own (its last validation) and
     # the first-position acceptance at k = 1: the same question asked at every position vs where rounds start
     tf = report["teacher_forced_acc_0"]
@@ -277,6 +224,86 @@ def measure(cfg, store, prompts: list[list[int]], out: Path) -> Path:
             tf["accept_first_position_k1"],
         )
     _done(target)
+    _log_table(cfg, report, prompts, out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "acceptance.json").write_text(json.dumps(report, indent=1))
+    _plot(report, out / "tau.png")
+    return out
+
+
+def _greedy_refs(model, capture, tok, device, prompts, chunks, e) -> list[list[int]]:
+    """The target's greedy continuations: the reference every speculative run must equal."""
+    eos = tok.eos_token_id
+    if e.batch_size > 1:
+        return [g for c in chunks for g in batched.greedy(model, capture, c, e.max_new_tokens, eos)]
+    else:  # plain greedy decoding, the reference every speculative run must equal
+        return [
+            model.generate(
+                torch.tensor([p], device=device),
+                max_new_tokens=e.max_new_tokens,
+                do_sample=False,
+                eos_token_id=eos,
+                pad_token_id=tok.pad_token_id,
+            )[0, len(p) :].tolist()
+            for p in prompts
+        ]
+
+
+def _tau_at(model, capture, dr, prompts, greedy_refs, all_runs, k: int, eos, e, name: str) -> dict:
+    """tau, acceptance per position and greedy mismatches of one draft at draft length k."""
+    runs = (
+        all_runs[k]
+        if all_runs is not None
+        else [speculate(model, capture, dr, p, e.max_new_tokens, k, eos) for p in prompts]
+    )
+    per_prompt, pooled_rounds, mismatches = [], [], 0
+    for (gen, rounds), greedy in zip(runs, greedy_refs):
+        mismatches += gen != greedy
+        per_prompt.append(sum(r + 1 for r in rounds) / max(len(rounds), 1))
+        pooled_rounds += rounds
+    accept = [
+        sum(r >= i for r in pooled_rounds) / max(sum(r >= i - 1 for r in pooled_rounds), 1)
+        for i in range(1, k + 1)
+    ]
+    result = {
+        "tau": sum(r + 1 for r in pooled_rounds) / max(len(pooled_rounds), 1),
+        "tau_per_prompt": per_prompt,
+        "accept_per_position": accept,
+        "target_forwards": len(pooled_rounds),
+        "greedy_mismatches": mismatches,
+    }
+    log.info(
+        "eval %s draft k=%d: tau %.3f, acceptance per position %s, greedy mismatches %d",
+        name,
+        k,
+        result["tau"],
+        [round(x, 3) for x in accept],
+        mismatches,
+    )
+    return result
+
+
+def _teacher_forced_acc(model, capture, dr, prompts, greedy_refs, name: str, report: dict) -> None:
+    """Step-0 accuracy teacher-forced along the greedy continuations (and, for the trained draft, whether
+    misses
+    cluster: the hit rate right after a hit and right after a miss), into report["teacher_forced_acc_0"]."""
+    with torch.no_grad():
+        rows = [
+            teacher_forced(model, capture, dr, p, g).cpu() for p, g in zip(prompts, greedy_refs) if len(g) > 1
+        ]
+    hits = torch.cat(rows or [torch.zeros(0, dtype=torch.bool)])
+    tf = report.setdefault("teacher_forced_acc_0", {"tokens": len(hits)})
+    tf[name] = float(hits.float().mean()) if len(hits) else None
+    if name == "trained":  # do misses cluster? the hit rate right after a hit and right after a miss
+        prev, nxt = (
+            (torch.cat([r[:-1] for r in rows]), torch.cat([r[1:] for r in rows])) if rows else (hits, hits)
+        )
+        tf["after_hit"] = float(nxt[prev].float().mean()) if prev.any() else None
+        tf["after_miss"] = float(nxt[~prev].float().mean()) if (~prev).any() else None
+
+
+def _log_table(cfg, report: dict, prompts, out: Path) -> None:
+    e = cfg.eval
     ks = report["draft_lengths"]
     lines = ["tau (tokens per target forward)  " + "".join(f"{'k=' + str(k):>8}" for k in ks)]
     for name, label in (("trained", "trained draft"), ("untrained", "untrained draft (floor)")):
@@ -291,10 +318,6 @@ def measure(cfg, store, prompts: list[list[int]], out: Path) -> Path:
         e.max_new_tokens,
         "\n".join(lines),
     )
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "acceptance.json").write_text(json.dumps(report, indent=1))
-    _plot(report, out / "tau.png")
-    return out
 
 
 def _fmt(x) -> str:
@@ -303,7 +326,7 @@ def _fmt(x) -> str:
 
 def _trained_val_acc0(cfg):
     """Training's last validation full_acc_0 (train/final/train_summary.json), or None where there is none."""
-    summary = RunDir.of(cfg).final / "train_summary.json"
+    summary = train_summary.path(RunDir.of(cfg).final)
     try:
         return float(json.loads(summary.read_text())["val_after"]["full_acc_0"])
     except (OSError, KeyError, TypeError, ValueError):

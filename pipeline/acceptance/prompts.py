@@ -13,6 +13,7 @@ from pipeline.acceptance import offline as offline_bench
 from pipeline.data import prompt_sets
 from pipeline.data.features_dataset import split
 from pipeline.errors import UserError
+from pipeline.formats import train_summary
 from pipeline.formats.run_dir import RunDir
 
 log = logging.getLogger(__name__)
@@ -98,7 +99,7 @@ def heldout_prompts(cfg, store, n: int, prompt_tokens: int, half: str = "report"
     """Prefixes of the validation samples train held out (train_summary.json's `val_samples`), report half
     (prompt_sets.selection_and_report; `half="selection"`: the other one, where choices are made), up to their
     first supervised token, i.e. up to where the assistant starts answering; at most prompt_tokens long."""
-    summary = RunDir.of(cfg).final / "train_summary.json"
+    summary = train_summary.path(RunDir.of(cfg).final)
     facts = json.loads(summary.read_text()) if summary.is_file() else {}
     val = facts.get("val_samples")
     if (facts.get("selected") or {}).get("by") == "tau" and "tau_probe_half" not in facts:

@@ -8,6 +8,9 @@ from __future__ import annotations
 import logging
 
 import numpy as np
+from tqdm import tqdm
+
+from pipeline.data.sources import Problems
 
 log = logging.getLogger(__name__)
 
@@ -99,3 +102,31 @@ def tokenize_with_mask(tok, messages: list[dict]) -> tuple[list[int], list[int]]
     for a, b in spans:
         mask |= ((starts >= a) & (starts < b)).astype(np.uint8)
     return list(enc["input_ids"]), mask.tolist()
+
+
+def tokenize_all(tok, convs: list[dict], max_len: int) -> tuple[dict, Problems, list[int], int]:
+    """Every conversation as a sample: (rows {input_ids, loss_mask, sample_id, source_id}, what was dropped
+    and why, the sample ids of held-out conversations, how many were cut to max_len)."""
+    rows = {"input_ids": [], "loss_mask": [], "sample_id": [], "source_id": []}
+    drops = Problems("skip", "prepare")
+    heldout = []  # sample ids of the conversations data=mix set aside: train validates on exactly these
+    truncated = 0
+    for conv in tqdm(convs, desc="prepare|tokenize", mininterval=1.0):
+        try:
+            ids, mask = tokenize_with_mask(tok, conv["messages"])
+        except TemplateError as e:
+            drops.report(str(e), conv["source_id"])
+            continue
+        if len(ids) > max_len:
+            truncated += 1
+            ids, mask = ids[:max_len], mask[:max_len]
+        if not any(mask):
+            drops.report(f"no supervised token within max_len={max_len}", conv["source_id"])
+            continue
+        rows["sample_id"].append(len(rows["sample_id"]))
+        rows["source_id"].append(conv["source_id"])
+        rows["input_ids"].append(ids)
+        rows["loss_mask"].append(mask)
+        if conv.get("heldout"):
+            heldout.append(rows["sample_id"][-1])
+    return rows, drops, heldout, truncated

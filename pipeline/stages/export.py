@@ -26,7 +26,7 @@ from pipeline.errors import UserError
 from pipeline.fingerprint import digest
 from pipeline.formats import export_layouts as lay
 from pipeline.formats import feature_store as fs
-from pipeline.formats import vocab_map
+from pipeline.formats import train_summary, vocab_map
 from pipeline.formats.run_dir import RunDir
 from pipeline.models import targets
 from pipeline.serving import launch
@@ -40,7 +40,7 @@ def out_dir(cfg) -> Path:
 
 
 def fingerprint(cfg) -> str:
-    summary = RunDir.of(cfg).final / "train_summary.json"
+    summary = train_summary.path(RunDir.of(cfg).final)
     weights = RunDir.of(cfg).final / "model.safetensors"
     # empty extra-flag lists leave the fingerprint of exports made before they existed unchanged
     serve = {k: v for k, v in dict(cfg.export.serve).items() if not (k.endswith("_args") and not v)}
@@ -124,11 +124,11 @@ def _load_final(final: Path) -> tuple[dict, dict]:
 def run(cfg) -> Path:
     check(cfg)
     final = RunDir.of(cfg).final
-    if not (final / "train_summary.json").is_file():
+    if not train_summary.exists(final):
         raise UserError(f"no trained draft under {final}; run stage=train first")
     store = features.open_source(cfg)  # the facts only: aux ids, target, hash
     d2t, t2d, vman = vocab_map.load(RunDir.of(cfg).vocab)
-    selected = json.loads((final / "train_summary.json").read_text()).get("selected") or {"by": "last"}
+    selected = train_summary.read(final).get("selected") or {"by": "last"}
     weights, draft_cfg = _load_final(_selected_dir(final, selected))
     if draft_cfg["eagle_aux_hidden_state_layer_ids"] != store.aux_layer_ids:
         raise UserError(
@@ -147,14 +147,12 @@ def run(cfg) -> Path:
         "target_fingerprint": store.facts["target_fingerprint"],
         "features_manifest_hash": store.manifest_hash(),
         "vocab_coverage": vman["coverage"],
-        "train_summary_hash": digest((final / "train_summary.json").read_text()),
+        "train_summary_hash": digest(train_summary.path(final).read_text()),
         "aux_layer_ids_eaglepipe": store.aux_layer_ids,
         "selected": selected,
         "target_architecture": targets.architecture(Path(store.facts["target_path"])),
     }
-    arch = provenance["target_architecture"]
-    layer = draft_cfg["transformer_layer_config"]
-    layout = lay.draft_arch_of(layer["model_type"])
+    layout = lay.draft_arch_of(draft_cfg["transformer_layer_config"]["model_type"])
     provenance["draft_arch"] = layout.name
     unverified = [e for e in cfg.export.engines if e not in layout.engines]
     if unverified:
@@ -164,65 +162,71 @@ def run(cfg) -> Path:
             f"export.engines=[{','.join(layout.engines)}]"
         )
     for engine in cfg.export.engines:
-        out = out_dir(cfg) / engine
-        tmp = out.with_name(out.name + ".tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        try:
-            engine_ids = lay.engine_layer_ids(engine, store.aux_layer_ids, arch)
-        except lay.AuxIdsUnservable as e:
-            raise UserError(
-                f"export/{engine}: {e} (extract.aux_layers, then extract and train again)"
-            ) from None
-        if engine == "sglang":
-            names = lay.sglang_tensors(tensors)
-            config = sglang_config(layer, draft_cfg, store, engine_ids, layout)
-        else:
-            names = dict(tensors)
-            config = vllm_config(draft_cfg, store, engine_ids)
-        save_file(names, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        (tmp / "config.json").write_text(json.dumps(config, indent=2))
-        rows = lay.tensor_table(names)
-        manifest = {
-            "schema_version": lay.SCHEMA_VERSION,
-            "engine": engine,
-            "engine_version_read": lay.engine_version(engine),
-            "aux_layer_ids_engine": engine_ids,
-            **provenance,
-            "draft_kv_bytes_per_token": lay.draft_kv_bytes_per_token(
-                config if engine == "sglang" else sglang_config(layer, draft_cfg, store, engine_ids, layout)
-            ),
-            "tensors": rows,
-        }
-        launch.write_serve(
-            tmp, engine, store.facts["target_path"], out, cfg.export.serve, {"by": "config"}, manifest
-        )
-        (tmp / "export_manifest.json").write_text(json.dumps(manifest, indent=1))
-        problems, report = verify.verify_export(
-            tmp,
-            engine,
-            store.facts,
-            store.facts["target_path"],
-            cfg.export.verify_in_engine,
-            verify.configured_python(cfg, engine),
-            arch,
-        )
-        if report:
-            manifest["verified_by"] = {k: report[k] for k in ("engine", "engine_version", "class")}
-            (tmp / "export_manifest.json").write_text(json.dumps(manifest, indent=1))
-        if problems:
-            raise UserError(f"export/{engine} failed its checks: " + "; ".join(problems))
-        shutil.rmtree(out, ignore_errors=True)
-        os.replace(tmp, out)
-        log.info(
-            "export %s -> %s (aux ids %s in %s numbering); tensors:\n%s",
-            engine,
-            out,
-            engine_ids,
-            engine,
-            lay.format_table(rows),
-        )
+        _publish(cfg, engine, tensors, provenance, draft_cfg, store, layout)
     return out_dir(cfg)
+
+
+def _publish(cfg, engine: str, tensors: dict, provenance: dict, draft_cfg: dict, store, layout) -> None:
+    """export/<engine>/: the engine's layout of the draft, its config, serve.sh and manifest, written into
+    a .tmp folder, checked (verify, the engine's own class where export.verify_in_engine), then renamed
+    into place; a failed check leaves the previous export as it was."""
+    arch, layer = provenance["target_architecture"], draft_cfg["transformer_layer_config"]
+    out = out_dir(cfg) / engine
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        engine_ids = lay.engine_layer_ids(engine, store.aux_layer_ids, arch)
+    except lay.AuxIdsUnservable as e:
+        raise UserError(f"export/{engine}: {e} (extract.aux_layers, then extract and train again)") from None
+    if engine == "sglang":
+        names = lay.sglang_tensors(tensors)
+        config = sglang_config(layer, draft_cfg, store, engine_ids, layout)
+    else:
+        names = dict(tensors)
+        config = vllm_config(draft_cfg, store, engine_ids)
+    save_file(names, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    (tmp / "config.json").write_text(json.dumps(config, indent=2))
+    rows = lay.tensor_table(names)
+    manifest = {
+        "schema_version": lay.SCHEMA_VERSION,
+        "engine": engine,
+        "engine_version_read": lay.engine_version(engine),
+        "aux_layer_ids_engine": engine_ids,
+        **provenance,
+        "draft_kv_bytes_per_token": lay.draft_kv_bytes_per_token(
+            config if engine == "sglang" else sglang_config(layer, draft_cfg, store, engine_ids, layout)
+        ),
+        "tensors": rows,
+    }
+    launch.write_serve(
+        tmp, engine, store.facts["target_path"], out, cfg.export.serve, {"by": "config"}, manifest
+    )
+    (tmp / "export_manifest.json").write_text(json.dumps(manifest, indent=1))
+    problems, report = verify.verify_export(
+        tmp,
+        engine,
+        store.facts,
+        store.facts["target_path"],
+        cfg.export.verify_in_engine,
+        verify.configured_python(cfg, engine),
+        arch,
+    )
+    if report:
+        manifest["verified_by"] = {k: report[k] for k in ("engine", "engine_version", "class")}
+        (tmp / "export_manifest.json").write_text(json.dumps(manifest, indent=1))
+    if problems:
+        raise UserError(f"export/{engine} failed its checks: " + "; ".join(problems))
+    shutil.rmtree(out, ignore_errors=True)
+    os.replace(tmp, out)
+    log.info(
+        "export %s -> %s (aux ids %s in %s numbering); tensors:\n%s",
+        engine,
+        out,
+        engine_ids,
+        engine,
+        lay.format_table(rows),
+    )
 
 
 def sglang_config(

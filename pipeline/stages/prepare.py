@@ -13,14 +13,12 @@ from pathlib import Path
 
 import numpy as np
 from omegaconf import OmegaConf
-from tqdm import tqdm
 
 from pipeline import __version__
 from pipeline.data import leaks, mixture
-from pipeline.data.chat_tokens import TemplateError, cut_long_prompts, cut_turns, tokenize_with_mask
+from pipeline.data.chat_tokens import cut_long_prompts, cut_turns, tokenize_all
 from pipeline.data.mixture import load_conversations
 from pipeline.data.regenerate import journal_folder, regenerate
-from pipeline.data.sources import Problems
 from pipeline.data.synthesize import synthesize
 from pipeline.errors import UserError
 from pipeline.fingerprint import digest, shaping
@@ -168,28 +166,7 @@ def run(cfg) -> Path:
         else:
             regen_stats = None
 
-    rows = {"input_ids": [], "loss_mask": [], "sample_id": [], "source_id": []}
-    drops = Problems("skip", "prepare")
-    heldout = []  # sample ids of the conversations data=mix set aside: train validates on exactly these
-    truncated = 0
-    for conv in tqdm(convs, desc="prepare|tokenize", mininterval=1.0):
-        try:
-            ids, mask = tokenize_with_mask(tok, conv["messages"])
-        except TemplateError as e:
-            drops.report(str(e), conv["source_id"])
-            continue
-        if len(ids) > cfg.prepare.max_len:
-            truncated += 1
-            ids, mask = ids[: cfg.prepare.max_len], mask[: cfg.prepare.max_len]
-        if not any(mask):
-            drops.report(f"no supervised token within max_len={cfg.prepare.max_len}", conv["source_id"])
-            continue
-        rows["sample_id"].append(len(rows["sample_id"]))
-        rows["source_id"].append(conv["source_id"])
-        rows["input_ids"].append(ids)
-        rows["loss_mask"].append(mask)
-        if conv.get("heldout"):
-            heldout.append(rows["sample_id"][-1])
+    rows, drops, heldout, truncated = tokenize_all(tok, convs, cfg.prepare.max_len)
     drops.log_summary()
     if not rows["sample_id"]:
         raise UserError(f"prepare: every conversation was dropped ({drops.as_dict()})")

@@ -17,6 +17,7 @@ from pipeline.capture import features
 from pipeline.config_choices import Select
 from pipeline.errors import UserError
 from pipeline.fingerprint import digest
+from pipeline.formats import train_summary
 from pipeline.formats.run_dir import RunDir
 from pipeline.models import draft
 from pipeline.training.checkpoints import resume_or_clear
@@ -97,7 +98,7 @@ def fingerprint(cfg) -> str:
 
 
 def is_complete(cfg) -> bool:
-    return (out_dir(cfg) / "final" / "train_summary.json").is_file()
+    return train_summary.exists(out_dir(cfg) / "final")
 
 
 def run(cfg) -> Path:

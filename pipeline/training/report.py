@@ -11,6 +11,7 @@ from omegaconf import OmegaConf
 
 from pipeline import __version__
 from pipeline.config_choices import Strategy
+from pipeline.formats import train_summary
 from pipeline.models import fsdp
 from pipeline.training.checkpoints import selected
 from pipeline.training.session import Plan, Session
@@ -68,7 +69,7 @@ def finish(
         "selected": selected(cfg, root, step),
         "config": OmegaConf.to_container(cfg, resolve=True),
     }
-    (final / "train_summary.json").write_text(json.dumps(summary, indent=1, default=str))
+    train_summary.write(final, summary)
     _plot(rows, root / "plots", cfg.train.ttt_steps)
     log.info(
         "train: val full_acc_0 %.4f -> %.4f after %d steps; draft saved to %s",
