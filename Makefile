@@ -1,5 +1,5 @@
 # The two commands a fresh machine needs (README): `make demo` and `make test`.
-.PHONY: setup setup-engines setup-all demo test test-fast
+.PHONY: setup setup-engines setup-all demo test test-fast lint
 setup:
 	./scripts/setup.sh
 
@@ -15,9 +15,14 @@ setup-all:
 demo: setup-all
 	.venv/bin/eaglepipe stage=all +experiment=demo
 
-# everything except hardware-bound markers, on 2 workers (one test file each at a time, one torch thread each: the
-# CI machine has 2 cores); pytest exit 5 ("no tests ran") is not a failure
-test: setup-all
+# ruff (pinned in requirements.txt, configured in pyproject.toml): lint and formatting, the whole tree
+lint: setup
+	.venv/bin/ruff check .
+	.venv/bin/ruff format --check .
+
+# lint first, then everything except hardware-bound markers, on 2 workers (one test file each at a time, one torch
+# thread each: the CI machine has 2 cores); pytest exit 5 ("no tests ran") is not a failure
+test: setup-all lint
 	OMP_NUM_THREADS=1 .venv/bin/python -m pytest -m "not gpu and not requires_sglang_gpu" -q -n 2 --dist loadfile --durations=25; rc=$$?; [ $$rc -eq 5 ] && exit 0; exit $$rc
 
 test-fast: setup

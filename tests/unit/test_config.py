@@ -158,3 +158,34 @@ def test_pad_packs_defaults_to_one_shape_on_cuda_and_to_no_padding_on_cpu():
     assert pad_packs(SimpleNamespace(pad_packs=None), cpu) is False
     assert pad_packs(SimpleNamespace(pad_packs=False), cuda) is False
     assert pad_packs(SimpleNamespace(pad_packs=True), cpu) is True
+
+
+def unread_fields(source: str) -> list[str]:
+    """`Schema.field` for every field of the config schemas that no code in `source` reads (as `.field`,
+    `["field"]` or `"field"`): a knob that changes nothing."""
+    import dataclasses
+    import re
+
+    import pipeline.config as schemas
+
+    unread = []
+    for name in sorted(dir(schemas)):
+        cls = getattr(schemas, name)
+        if isinstance(cls, type) and dataclasses.is_dataclass(cls):
+            for f in dataclasses.fields(cls):
+                if not re.search(rf"\.{f.name}\b|\[[\"']{f.name}[\"']\]|[\"']{f.name}[\"']", source):
+                    unread.append(f"{name}.{f.name}")
+    return unread
+
+
+def test_every_config_field_is_read_somewhere_in_pipeline():
+    pkg = Path(__file__).resolve().parents[2] / "pipeline"
+    source = "\n".join(
+        p.read_text() for p in pkg.rglob("*.py") if p.name not in ("config.py", "config_choices.py")
+    )
+    assert unread_fields(source) == [], "read these in pipeline/ or remove them from pipeline/config.py"
+
+
+def test_the_unread_field_check_names_a_field_nothing_reads():
+    assert "TrainConfig.lr" in unread_fields("cfg.train.epochs\n")
+    assert "TrainConfig.lr" not in unread_fields("t = cfg.train\nprint(t.lr)\n")
