@@ -159,7 +159,7 @@ class ExtractConfig:
     # rank of
     # the node); 1: this process
     # (docs/feature_store.md, writing protocol 5). Raise it where the writer, not the capture, binds
-    # (scripts/bench/extract_throughput.py measures both). Not in extract's fingerprint: the bytes are the
+    # (scripts/bench/capture.py measures both). Not in extract's fingerprint: the bytes are the
     # same
     write_workers: int = 1
     # tensorstore: Google's C++ zarr v3 writer encodes and writes every array of a shard on all cores, outside

@@ -10,8 +10,8 @@ from hydra import compose, initialize_config_dir
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from pipeline.config import register  # noqa: E402
 from pipeline.capture.aux_layers import aux_layer_ids  # noqa: E402
+from pipeline.config import register  # noqa: E402
 from pipeline.models import draft  # noqa: E402
 
 register()

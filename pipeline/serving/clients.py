@@ -5,7 +5,7 @@ asking
 512 requests of SGLang kept 1-10 running most of the time (BENCHMARKS.md, "Ten times the data"), and a local
 test
 server saw 34 of 512 in flight on average against 139 with a client per thread
-(scripts/bench/regenerate_client.py).
+(scripts/bench/regenerate_client.py, removed since: `git show a80273c:scripts/bench/regenerate_client.py`).
 Regeneration and the online bench both send through this.
 """
 

@@ -1,12 +1,12 @@
-"""What every benchmark's JSON starts with (bench name, date, machine, the command that ran) and where it goes ($OUT,
-else the script's default folder): one home for both, so the results in scripts/bench/results/ read alike."""
+"""What every benchmark's JSON starts with (bench, date, machine, commit, the command that ran) and where it
+goes ($OUT, else the script's default folder): one home for both, so scripts/bench/results/ reads alike."""
 
 import json
 import os
 import socket
 import subprocess
 import sys
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 
@@ -14,24 +14,31 @@ def commit() -> str:
     """The commit the code is at: $COMMIT (a device copy of the tree has no .git), else git's HEAD."""
     if os.environ.get("COMMIT"):
         return os.environ["COMMIT"]
-    r = subprocess.run(["git", "-C", str(Path(__file__).parent), "rev-parse", "--short", "HEAD"],
-                       capture_output=True, text=True)
-    dirty = subprocess.run(["git", "-C", str(Path(__file__).parent), "status", "--porcelain", "--untracked-files=no"],
-                           capture_output=True, text=True).stdout.strip()
-    return (r.stdout.strip() + ("+uncommitted" if dirty else "")) if r.returncode == 0 else "unknown"
+    git = ["git", "-C", str(Path(__file__).parent)]
+    run = lambda *args: subprocess.run([*git, *args], capture_output=True, text=True)
+    head, dirty = run("rev-parse", "--short", "HEAD"), run("status", "--porcelain", "--untracked-files=no")
+    if head.returncode != 0:
+        return "unknown"
+    return head.stdout.strip() + ("+uncommitted" if dirty.stdout.strip() else "")
 
 
 def header(bench: str, **extra) -> dict:
     """The fields every result carries, then the script's own (versions, sizes, ...)."""
-    return {"bench": bench, "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            "host": socket.gethostname(), "cpus": os.cpu_count(), "commit": commit(),
-            "command": " ".join(["python", sys.argv[0], *sys.argv[1:]]), **extra}
+    now = datetime.now(UTC).isoformat(timespec="seconds")
+    machine = {"host": socket.gethostname(), "cpus": os.cpu_count()}
+    return {
+        "bench": bench,
+        "date": now,
+        **machine,
+        "commit": commit(),
+        "command": " ".join(sys.argv),
+        **extra,
+    }
 
 
 def write(res: dict, name: str, default: str | Path = ".") -> Path:
     """Writes RES as NAME.json into $OUT (what a device run brings back), else DEFAULT; returns the path."""
     out = Path(os.environ.get("OUT") or default)
     out.mkdir(parents=True, exist_ok=True)
-    path = out / f"{name}.json"
-    path.write_text(json.dumps(res, indent=1) + "\n")
-    return path
+    (out / f"{name}.json").write_text(json.dumps(res, indent=1) + "\n")
+    return out / f"{name}.json"

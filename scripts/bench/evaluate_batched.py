@@ -1,22 +1,21 @@
-"""Benchmark: the offline bench's batched greedy-chain speculation vs its serial reference (issue #14, item 3).
+"""Benchmark: the offline bench's batched greedy-chain speculation vs its serial reference (#14, item 3).
 
 Same export, same prompts, same device, fp32 (as stage evaluate runs): for each draft length k, every prompt
 through `offline.speculate` one at a time, then all of them through `batched.speculate` in batches of
-eval.batch_size; then every k at once (`batched.by_k`: batch_size x max_draft rows per pass, what stage evaluate
-runs); wall times, tau of each, and whether every row's tokens and accepted counts are identical.
-Usage (an exported run dir; the overrides that made it):
-  python scripts/bench/evaluate_batched.py +experiment=gpu_smollm2 run_dir=/tmp/gpurun cache_dir=/tmp/epcache \
+eval.batch_size; then every k at once (`batched.by_k`: batch_size x max_draft rows per pass, what stage
+evaluate runs); wall times, tau of each, and whether every row's tokens and accepted counts are identical.
+Usage (an exported run dir and the overrides that made it; scripts/gpu/plans/perf.json runs it):
+  python scripts/bench/evaluate_batched.py +experiment=gpu_smollm2 run_dir=/tmp/gpurun cache_dir=/tmp/epc \
       eval.num_prompts=32 eval.max_new_tokens=64 eval.max_draft=5 eval.batch_size=32
-Writes evaluate_batched.json to $OUT (or the run dir) and prints a table last.
+Writes evaluate_batched.json (bench_json: $OUT, else the run dir).
 """
 
 import json
-import os
-import socket
 import sys
 import time
 from pathlib import Path
 
+import bench_json
 import torch
 from hydra import compose, initialize_config_dir
 from safetensors.torch import load_file
@@ -24,11 +23,11 @@ from safetensors.torch import load_file
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 from pipeline.acceptance import batched, offline  # noqa: E402
+from pipeline.acceptance.prompts import heldout_prompts  # noqa: E402
+from pipeline.capture.hf import Capture  # noqa: E402
 from pipeline.config import register  # noqa: E402
-from pipeline.engines.hf_capture import Capture  # noqa: E402
+from pipeline.formats.run_dir import RunDir  # noqa: E402
 from pipeline.models import targets  # noqa: E402
-from pipeline.run_dir import RunDir  # noqa: E402
-from pipeline.stages import evaluate  # noqa: E402
 
 
 def sync(device):
@@ -39,38 +38,6 @@ def sync(device):
 def tau(rows) -> float:
     rounds = [r for _, rs in rows for r in rs]
     return sum(r + 1 for r in rounds) / max(len(rounds), 1)
-
-
-def profile_one(model, capture, dr, prompts, n, k, eos, device) -> tuple[dict, str]:
-    """What binds a batched run: one batch at draft length k under torch.profiler; the device's busy time (the
-    union of kernel intervals) against the wall time, kernel launches and rounds; and the operator tables."""
-    from torch.profiler import ProfilerActivity, profile
-
-    from train_profile import _busy_us
-
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    sync(device)
-    t0 = time.perf_counter()
-    batched.speculate(model, capture, dr, prompts, n, k, eos)  # the same batch unprofiled: the profiler slows the host
-    sync(device)
-    plain = time.perf_counter() - t0
-    with profile(activities=acts) as prof:
-        t0 = time.perf_counter()
-        rows = batched.speculate(model, capture, dr, prompts, n, k, eos)
-        sync(device)
-        wall = time.perf_counter() - t0
-    ev = prof.key_averages()
-    launches = sum(e.count for e in ev if e.key in ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC"))
-    rounds = max(len(r) for _, r in rows)
-    busy = _busy_us(prof.events()) / 1e6
-    res = {"k": k, "rows": len(rows), "rounds": rounds, "wall_s": round(wall, 3), "wall_unprofiled_s": round(plain, 3),
-           "gpu_busy_s": round(busy, 3), "gpu_busy_fraction": round(busy / wall, 3),
-           "gpu_busy_fraction_of_unprofiled_wall": round(busy / plain, 3), "kernel_launches": launches,
-           "launches_per_round": round(launches / rounds, 1), "host_copies_and_syncs": sum(
-               e.count for e in ev if e.key in ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaMemcpyAsync"))}
-    table = (ev.table(sort_by="self_device_time_total", row_limit=25) + "\n\n"
-             + ev.table(sort_by="self_cpu_time_total", row_limit=25))
-    return res, table
 
 
 def main() -> None:
@@ -85,16 +52,19 @@ def main() -> None:
     model = targets.load_model(folder, cfg.target, device, torch.float32, "sdpa")
     capture = Capture(model, store.aux_layer_ids)
     export = RunDir.of(cfg).export("sglang")
-    dr = offline.ExportedDraft(load_file(str(export / "model.safetensors")), json.loads((export / "config.json").read_text()),
-                               model.get_input_embeddings().weight.detach(), device)
-    prompts = evaluate.heldout_prompts(cfg, store, e.num_prompts, e.prompt_tokens)
+    dr = offline.ExportedDraft(
+        load_file(str(export / "model.safetensors")),
+        json.loads((export / "config.json").read_text()),
+        model.get_input_embeddings().weight.detach(),
+        device,
+    )
+    prompts = heldout_prompts(cfg, store, e.num_prompts, e.prompt_tokens)
     n, eos, bs = e.max_new_tokens, tok.eos_token_id, e.batch_size
-    chunks = [prompts[i: i + bs] for i in range(0, len(prompts), bs)]
+    chunks = [prompts[i : i + bs] for i in range(0, len(prompts), bs)]
     batched.speculate(model, capture, dr, prompts[:2], 4, 2, eos)  # warm-up (kernels, allocator)
-    result = {"name": "evaluate_batched", "date": time.strftime("%Y-%m-%d"), "machine": socket.gethostname(),
-              "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-              "command": "python scripts/bench/evaluate_batched.py " + " ".join(sys.argv[1:]),
-              "prompts": len(prompts), "max_new_tokens": n, "batch_size": bs, "per_k": {}}
+    name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
+    result = bench_json.header("evaluate_batched", device=name, prompts=len(prompts), max_new_tokens=n)
+    result |= {"batch_size": bs, "per_k": {}}
     serial_total = batched_total = 0.0
     serial_rows = {}
     for k in range(1, e.max_draft + 1):
@@ -108,13 +78,19 @@ def main() -> None:
         t2 = time.perf_counter()
         same = [tuple(s) == tuple(b) for s, b in zip(serial, rows)]
         serial_rows[k] = serial
-        result["per_k"][str(k)] = {"serial_s": round(t1 - t0, 3), "batched_s": round(t2 - t1, 3),
-                                   "tau_serial": tau(serial), "tau_batched": tau(rows),
-                                   "rows_identical": sum(same), "rows": len(same)}
+        r = {"serial_s": round(t1 - t0, 3), "batched_s": round(t2 - t1, 3), "tau_serial": tau(serial)}
+        result["per_k"][str(k)] = r | {
+            "tau_batched": tau(rows),
+            "rows_identical": sum(same),
+            "rows": len(same),
+        }
         serial_total += t1 - t0
         batched_total += t2 - t1
-        print(f"k={k}: serial {t1 - t0:.1f} s, batched {t2 - t1:.1f} s, tau {tau(serial):.4f} / {tau(rows):.4f}, "
-              f"identical rows {sum(same)}/{len(same)}", flush=True)
+        print(
+            f"k={k}: serial {t1 - t0:.1f} s, batched {t2 - t1:.1f} s, tau {tau(serial):.4f} / "
+            f"{tau(rows):.4f}, identical rows {sum(same)}/{len(same)}",
+            flush=True,
+        )
     # what stage evaluate runs: every k of a chunk in one pass (batch_size x max_draft rows, batched.by_k)
     ks = list(range(1, e.max_draft + 1))
     sync(device)
@@ -123,24 +99,21 @@ def main() -> None:
     sync(device)
     together_s = time.perf_counter() - t0
     same_all = sum(tuple(s) == tuple(b) for k in ks for s, b in zip(serial_rows[k], together[k]))
-    result["all_k_in_one_pass"] = {"batched_s": round(together_s, 3), "rows": bs * len(ks),
-                                   "rows_identical": same_all, "rows_total": len(prompts) * len(ks),
-                                   "tau": {str(k): tau(together[k]) for k in ks}}
-    print(f"every k in one pass: {together_s:.1f} s, identical rows {same_all}/{len(prompts) * len(ks)}", flush=True)
-    result["profile_k3"], table = profile_one(model, capture, dr, chunks[0], n, min(3, e.max_draft), eos, device)
-    result.update(serial_s=round(serial_total, 2), batched_one_k_per_pass_s=round(batched_total, 2),
-                  batched_s=round(together_s, 2), speedup=round(serial_total / together_s, 2),
-                  speedup_one_k_per_pass=round(serial_total / batched_total, 2),
-                  tau_equal=all(r["tau_serial"] == r["tau_batched"] == result["all_k_in_one_pass"]["tau"][k]
-                                for k, r in result["per_k"].items()))
-    out = Path(os.environ.get("OUT") or RunDir.of(cfg).root)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "evaluate_batched.json").write_text(json.dumps(result, indent=1))
-    (out / "evaluate_batched_profile.txt").write_text(table)
-    print("profile (first batch, k=3): " + json.dumps(result["profile_k3"]))
-    print(f"serial {serial_total:.1f} s, batched one k per pass {batched_total:.1f} s "
-          f"({serial_total / batched_total:.1f}x), every k in one pass {together_s:.1f} s "
-          f"({serial_total / together_s:.1f}x); tau equal: {result['tau_equal']}")
+    r = {"batched_s": round(together_s, 3), "rows": bs * len(ks), "rows_identical": same_all}
+    r |= {"rows_total": len(prompts) * len(ks), "tau": {str(k): tau(together[k]) for k in ks}}
+    result["all_k_in_one_pass"] = r
+    result |= {"serial_s": round(serial_total, 2), "batched_one_k_per_pass_s": round(batched_total, 2)}
+    result |= {"batched_s": round(together_s, 2), "speedup": round(serial_total / together_s, 2)}
+    result["speedup_one_k_per_pass"] = round(serial_total / batched_total, 2)
+    taus = [
+        (r["tau_serial"], r["tau_batched"], result["all_k_in_one_pass"]["tau"][k])
+        for k, r in result["per_k"].items()
+    ]
+    result["tau_equal"] = all(a == b == c for a, b, c in taus)
+    bench_json.write(result, "evaluate_batched", RunDir.of(cfg).root)
+    print(
+        json.dumps({k: result[k] for k in ("serial_s", "batched_one_k_per_pass_s", "batched_s", "tau_equal")})
+    )
 
 
 if __name__ == "__main__":

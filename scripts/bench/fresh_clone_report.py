@@ -1,45 +1,36 @@
-"""Turn the logs of scripts/bench/fresh_clone.sh into its JSON: wall time and peak memory of `make demo` and
-`make test` (from /usr/bin/time -v), the virtualenvs' sizes, the demo's per-stage seconds, the test counts."""
+"""The fresh-clone plan's logs (scripts/gpu/plans/fresh_clone.json) as fresh_clone.json: rc and wall time of
+`make demo` and `make test` (the runner's), peak memory (/usr/bin/time -v), the virtualenvs' sizes, the demo's
+stage seconds, pytest's summary line.  Usage: python3 scripts/bench/fresh_clone_report.py PLAN_DIR"""
 
 import json
-import os
 import platform
 import re
-import subprocess
 import sys
-import time
 from pathlib import Path
 
-
-def timed(log: str) -> dict:
-    wall = re.search(r"Elapsed \(wall clock\) time \(h:mm:ss or m:ss\): ([\d:.]+)", log).group(1).split(":")
-    seconds = sum(float(x) * 60 ** i for i, x in enumerate(reversed(wall)))
-    rss = int(re.search(r"Maximum resident set size \(kbytes\): (\d+)", log).group(1))
-    return {"wall_s": round(seconds, 1), "max_rss_mib": rss // 1024}
+import bench_json
 
 
-def main(logs: Path, clone: Path) -> dict:
-    demo, test = (logs / "demo.log").read_text(), (logs / "test.log").read_text()
-    sizes = dict(reversed(line.split()) for line in (logs / "du.txt").read_text().splitlines())
-    stages = json.loads((clone / "runs" / "smollm2-135m-instruct-chitchat" / "stages.json").read_text())
-    summary = [line for line in test.splitlines() if re.search(r"\d+ passed", line)]
-    first_log = re.search(r"^\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),\d+\]", demo, re.M).group(1)
-    setup_s = time.mktime(time.strptime(first_log, "%Y-%m-%d %H:%M:%S")) - int((logs / "demo_start").read_text())
-    commit = subprocess.run(["git", "-C", str(clone), "rev-parse", "--short", "HEAD"], capture_output=True,
-                            text=True).stdout.strip()
-    return {
-        "benchmark": "fresh_clone", "date": time.strftime("%Y-%m-%d"), "machine": f"{os.cpu_count()} cores, "
-        f"{platform.machine()}, {platform.python_version()} (the dev machine = CI's kind)",
-        "command": "git clone <repo> <new dir> && cd <new dir> && make demo && make test", "commit": commit,
-        "notes": os.environ.get("FRESH_CLONE_NOTES", ""),
-        "demo": {**timed(demo), "rc": int((logs / "demo_rc").read_text()),
-                 "both_virtualenvs_built_s": round(setup_s),
-                 "stage_seconds": {k: v["seconds"] for k, v in stages.items()}},
-        "test": {**timed(test), "rc": int((logs / "test_rc").read_text()),
-                 "pytest_summary": summary[-1].strip("= ") if summary else None},
-        "disk_mib": {k: int(v) for k, v in sizes.items()},
-    }
+def main(d: Path) -> None:
+    jobs = {j["name"]: j for j in json.loads((d / "state.json").read_text())["jobs"]}
+    res = bench_json.header("fresh_clone", command="python3 scripts/gpu/plan.py start fresh_clone")
+    res["machine"] = f"{res['cpus']} cores, {platform.machine()}, Python {platform.python_version()}"
+    for name in ("demo", "test"):
+        log = (d / "logs" / f"{name}.log").read_text(errors="replace")
+        rss = re.search(r"Maximum resident set size \(kbytes\): (\d+)", log)
+        res[name] = {"rc": jobs[name]["rc"], "wall_s": jobs[name]["wall_s"]}
+        res[name]["max_rss_mib"] = int(rss.group(1)) // 1024 if rss else None
+    summary = re.findall(r"^=* ?(\d+ passed.*?) ?=*$", (d / "logs" / "test.log").read_text(), re.M)
+    res["test"]["pytest_summary"] = summary[-1] if summary else None
+    stages = json.loads(next((d / "clone" / "runs").glob("*/stages.json")).read_text())
+    res["demo"]["stage_seconds"] = {k: v["seconds"] for k, v in stages.items()}
+    res["demo"]["both_virtualenvs_built_s"] = jobs["setup"]["wall_s"]  # `make demo` builds them first
+    res["demo"]["wall_s"] += jobs["setup"]["wall_s"]
+    du = (d / "logs" / "du.log").read_text().split()
+    res["disk_mib"] = {k: int(v) for v, k in zip(du[::2], du[1::2])}
+    bench_json.write(res, "fresh_clone")
+    print(json.dumps(res, indent=1))
 
 
 if __name__ == "__main__":
-    print(json.dumps(main(Path(sys.argv[1]), Path(sys.argv[2])), indent=1))
+    main(Path(sys.argv[1]))

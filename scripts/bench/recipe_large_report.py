@@ -1,13 +1,12 @@
-"""Collects scripts/bench/recipe_large.sh's plan into scripts/bench/results/recipe_large_h200.json (issue #31).
+"""A recipe plan's run (scripts/gpu/plans/recipe_large.json, serving.json) gathered into one results JSON.
 
-The keys issue #31's bar reads: tau_k3.{heldout,mt_bench,humaneval} (offline, the report half of held-out), acceptance_pos0
-(held-out, k = 3), online.accept_length.<set>, online.graphs_on.speedup_c{1,8,32}, train_tokens, wall_s, commit; and
-beside them what explains them (stage seconds, disk peak, regeneration rate, prepare's counts, train's figures).
-Usage: python scripts/bench/recipe_large_report.py PLAN_DIR [command that ran]
+The keys issue #31's bar reads: tau_k3.{heldout,mt_bench,humaneval} (offline, the report half of held-out),
+acceptance_pos0 (held-out, k = 3), online.accept_length.<set>, online.graphs_on.speedup_c{1,8,32},
+train_tokens, wall_s, commit; beside them what explains them (stage seconds, disk peak, prepare's counts,
+train's figures). Usage: python scripts/bench/recipe_large_report.py PLAN_DIR [NAME]  (writes NAME.json)
 """
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -19,33 +18,29 @@ def _json(p: Path):
     return json.loads(p.read_text()) if p.is_file() else None
 
 
-def main(plan: Path, command: str) -> None:
-    run = plan / "run"
-    res = bench_json.header("recipe_large_h200")
-    try:
-        import torch
-        res["device"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
-    except ImportError:
-        res["device"] = None
-    res["command"] = command
-    code = plan / "code" / "COMMIT"  # the runbook's copy of the tree records the commit it was copied at
-    res["commit"] = code.read_text().strip() if code.is_file() else (subprocess.run(
-        ["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip() or None)
-    chain = _json(plan / "chain.json") or {}
-    res["wall_s"] = chain.get("wall_s")
-    res["chain_command"] = chain.get("command")
+def main(plan: Path, name: str) -> None:
+    if not (plan / "state.json").is_file():  # never a results JSON of nothing
+        sys.exit(f"recipe_large_report: {plan} has no state.json (not a plan dir); usage: PLAN_DIR [NAME]")
+    run, state = plan / "run", _json(plan / "state.json")
+    res = bench_json.header(name, command=f"python3 scripts/gpu/plan.py start {state.get('plan', name)}")
+    import torch  # the GPU box's image has it
+
+    res["device"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+    chain = next((j for j in state.get("jobs", []) if j["name"] == "chain"), {})
+    res["wall_s"], res["chain_command"] = chain.get("wall_s"), chain.get("command")
     res["stage_seconds"] = {k: v.get("seconds") for k, v in (_json(run / "stages.json") or {}).items()}
-    peak = plan / "disk_peak_bytes"
-    res["disk_peak_bytes"] = int(peak.read_text()) if peak.is_file() else None
+    res["disk_peak_bytes"] = state.get("disk_used_peak_bytes", 0) - state.get("disk_used_start_bytes", 0)
     stats = _json(run / "prepared" / "stats.json") or {}
-    res["prepare"] = {k: stats.get(k) for k in ("samples", "tokens", "supervised_tokens", "truncated", "skipped_records",
-                                                "dropped_samples", "changed_records", "regenerate", "mix", "leaks",
-                                                "synthesize")}
+    keys = "samples tokens supervised_tokens truncated skipped_records dropped_samples changed_records"
+    keys += " regenerate mix leaks synthesize"
+    res["prepare"] = {k: stats.get(k) for k in keys.split()}
     res["prepare"]["heldout_samples"] = len(stats.get("heldout_samples") or [])
     summary = _json(run / "train" / "final" / "train_summary.json") or {}
-    res["train"] = {k: summary.get(k) for k in ("optimizer_steps", "throughput", "peak_memory", "selected", "val_after")}
-    res["train"]["tau_probes"] = [json.loads(x) for x in (run / "train" / "metrics.jsonl").read_text().splitlines()
-                                  if '"tau"' in x] if (run / "train" / "metrics.jsonl").is_file() else []
+    keys = "optimizer_steps throughput peak_memory selected val_after"
+    res["train"] = {k: summary.get(k) for k in keys.split()}
+    metrics = run / "train" / "metrics.jsonl"
+    lines = metrics.read_text().splitlines() if metrics.is_file() else []
+    res["train"]["tau_probes"] = [json.loads(x) for x in lines if '"tau"' in x]
     res["train_tokens"] = summary.get("train_tokens")
     sets = _json(run / "eval" / "sets.json") or {}
     res["tau_k3"] = {name: (r.get("tau") or {}).get("3") for name, r in sets.items()}
@@ -56,8 +51,8 @@ def main(plan: Path, command: str) -> None:
     res["acceptance_per_position_k3"] = pos
     res["acceptance_pos0"] = pos[0] if pos else None
     res["online"] = online(run, sets)
-    out = bench_json.write(res, "recipe_large_h200", Path(__file__).parent / "results")
-    print(json.dumps({k: res[k] for k in ("wall_s", "train_tokens", "tau_k3", "acceptance_pos0", "disk_peak_bytes")}))
+    out = bench_json.write(res, name, Path(__file__).parent / "results")
+    print(json.dumps({k: res[k] for k in ("wall_s", "train_tokens", "tau_k3", "acceptance_pos0")}))
     print(json.dumps(res["online"].get("graphs_on", {})), "->", out)
 
 
@@ -86,4 +81,4 @@ def online(run: Path, sets: dict) -> dict:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), sys.argv[2] if len(sys.argv) > 2 else "")
+    main(Path(sys.argv[1]), sys.argv[2] if len(sys.argv) > 2 else "recipe_large_h200")
