@@ -44,12 +44,13 @@ def is_rank0() -> bool:
 
 
 # What each stage read (run_dir-relative): a stage skipped as up to date says so when one of them is gone
+_R = RunDir(Path())  # run_dir-relative names of the artifacts
 INPUTS = {
-    "extract": ["prepared/stats.json"],
-    "vocab": ["features/manifest.json"],
-    "train": ["features/manifest.json", "vocab/manifest.json"],
-    "export": ["train/final/model.safetensors", "features/manifest.json", "vocab/manifest.json"],
-    "evaluate": ["export/sglang/export_manifest.json", "features/manifest.json"],
+    "extract": [str(_R.prepared_stats)],
+    "vocab": [str(_R.features_manifest)],
+    "train": [str(_R.features_manifest), str(_R.vocab_manifest)],
+    "export": [str(_R.final / "model.safetensors"), str(_R.features_manifest), str(_R.vocab_manifest)],
+    "evaluate": [str(_R.export_manifest("sglang")), str(_R.features_manifest)],
 }
 
 
@@ -109,7 +110,7 @@ def _resume_conflicts(cfg, names: list[str]) -> list[str]:
         or str(getattr(cfg.train.resume, "value", cfg.train.resume)) != "auto"
     ):
         return []
-    vocab_manifest = RunDir.of(cfg).vocab / "manifest.json"
+    vocab_manifest = RunDir.of(cfg).vocab_manifest
     train_dir = RunDir.of(cfg).train
     if not vocab_manifest.is_file() or checkpoint.latest(train_dir) is None:
         return []

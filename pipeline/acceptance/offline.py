@@ -24,8 +24,8 @@ from safetensors.torch import load_file
 from pipeline.acceptance import batched
 from pipeline.acceptance.draft_model import ExportedDraft
 from pipeline.capture.hf import Capture
+from pipeline.formats import eval_reports, train_summary
 from pipeline.formats import export_layouts as lay
-from pipeline.formats import train_summary
 from pipeline.formats.run_dir import RunDir
 from pipeline.models import draft as draft_lib
 from pipeline.models import targets
@@ -226,7 +226,7 @@ def measure(cfg, store, prompts: list[list[int]], out: Path) -> Path:
     _done(target)
     _log_table(cfg, report, prompts, out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "acceptance.json").write_text(json.dumps(report, indent=1))
+    eval_reports.write(out, False, report)
     _plot(report, out / "tau.png")
     return out
 

@@ -27,6 +27,7 @@ from pipeline.errors import UserError
 from pipeline.formats import export_layouts as lay
 from pipeline.formats import sglang_params as sgl_params
 from pipeline.formats import vocab_map
+from pipeline.formats.run_dir import RunDir
 from pipeline.models import targets
 
 log = logging.getLogger(__name__)
@@ -39,11 +40,11 @@ ENGINE_MODULE = {name: e.verify_module for name, e in lay.ENGINES.items()}
 def read_export(folder: Path) -> tuple[dict, dict]:
     """(export manifest, facts of the feature store it was trained on)."""
     folder = Path(folder)
-    path = folder / "export_manifest.json"
+    path = folder / lay.MANIFEST
     if not path.is_file():
         raise UserError(f"{folder} is not an eaglepipe export (no export_manifest.json)")
     manifest = json.loads(path.read_text())
-    store = Path(manifest["run_dir"]) / "features" / "manifest.json"
+    store = RunDir(Path(manifest["run_dir"])).features_manifest
     if not store.is_file():
         raise UserError(
             f"the export's feature store {store} is gone: the aux ids cannot be checked against it"

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 SCHEMA_VERSION = 1
+MANIFEST = "export_manifest.json"  # an export's provenance, numbering, tensor table, serve record
 
 
 # The draft's parameters (speculators names) that are the target's, not the draft's: the embedding (every

@@ -16,6 +16,11 @@ from pipeline.errors import UserError
 SCHEMA_VERSION = 1
 
 
+STATS = (
+    "stats.json"  # counts, what produced it, the prepared fingerprint; written last: the folder is complete
+)
+
+
 def folder(run_dir: Path | str) -> Path:
     return Path(run_dir) / "prepared"
 
@@ -34,7 +39,7 @@ def save(out: Path, rows: dict, stats: dict) -> None:
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     datasets.Dataset.from_dict(rows, features=features).save_to_disk(str(tmp))
-    (tmp / "stats.json").write_text(json.dumps(stats, indent=1))
+    (tmp / STATS).write_text(json.dumps(stats, indent=1))
     shutil.rmtree(out, ignore_errors=True)
     os.replace(tmp, out)
 
@@ -44,7 +49,7 @@ def heldout_samples(run_dir: Path | str) -> list[int] | None:
     never
     trains on them. None: no prepared folder here (a feature store copied alone); [] (or the key absent, a set
     prepared before data=mix existed): none set aside, train holds out train.val_fraction by sample."""
-    path = folder(run_dir) / "stats.json"
+    path = folder(run_dir) / STATS
     if not path.is_file():
         return None
     ids = json.loads(path.read_text()).get("heldout_samples") or []
@@ -58,9 +63,9 @@ def load(run_dir: Path | str, limit: int | None = None):
     import datasets
 
     out = folder(run_dir)
-    if not (out / "stats.json").is_file():
+    if not (out / STATS).is_file():
         raise UserError(f"no prepared data under {out}; run stage=prepare first")
-    stats = json.loads((out / "stats.json").read_text())
+    stats = json.loads((out / STATS).read_text())
     if stats.get("schema_version") != SCHEMA_VERSION:
         raise UserError(
             f"{out} has schema {stats.get('schema_version')}, expected {SCHEMA_VERSION}; rerun stage=prepare"

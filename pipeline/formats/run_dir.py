@@ -64,6 +64,36 @@ class RunDir:
         """`eaglepipe tune-serve`'s table (serve_sweep.json) and its servers' logs."""
         return self.root / "tune"
 
+    # the artifacts several stages and tools read: each file named by its format module
+    @property
+    def prepared_stats(self) -> Path:
+        from pipeline.formats import prepared
+
+        return self.prepared / prepared.STATS
+
+    @property
+    def features_manifest(self) -> Path:
+        from pipeline.formats import feature_store
+
+        return self.features / feature_store.MANIFEST
+
+    @property
+    def vocab_manifest(self) -> Path:
+        from pipeline.formats import vocab_map
+
+        return self.vocab / vocab_map.MANIFEST
+
+    @property
+    def train_summary(self) -> Path:
+        from pipeline.formats import train_summary
+
+        return train_summary.path(self.final)
+
+    def export_manifest(self, engine: str) -> Path:
+        from pipeline.formats import export_layouts
+
+        return self.export(engine) / export_layouts.MANIFEST
+
     # the runner's records
     @property
     def stages_json(self) -> Path:

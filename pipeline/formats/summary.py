@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from pipeline.formats import train_summary
+from pipeline.formats import eval_reports, train_summary, vocab_map
 from pipeline.formats.run_dir import RunDir
 
 
@@ -30,7 +30,7 @@ def figures(run_dir: Path) -> dict[str, str]:
     """One line per stage that has output: what it made, in numbers."""
     r = Path(run_dir)
     out = {}
-    if p := _read(r / "prepared" / "stats.json"):
+    if p := _read(RunDir(r).prepared_stats):
         skipped = sum((p.get("skipped_records") or {}).values())
         out["prepare"] = (
             f"{p['samples']:,} samples, {p['tokens']:,} tokens ({p['supervised_tokens']:,} supervised)"
@@ -41,14 +41,14 @@ def figures(run_dir: Path) -> dict[str, str]:
                 else ""
             )
         )
-    if (m := _read(r / "features" / "manifest.json")) and m.get("shards"):
+    if (m := _read(RunDir(r).features_manifest)) and m.get("shards"):
         f = m["facts"]
         tokens = sum(s["num_tokens"] for s in m["shards"])
         out["extract"] = (
             f"aux layers {f['aux_layer_ids']} + last of {f['num_layers']} (backend {f['backend']}, "
             f"{f['compute_dtype']}); {tokens:,} tokens in {len(m['shards'])} shard(s)"
         )
-    if (v := _read(r / "vocab" / "manifest.json")) and (rep := _read(r / "vocab" / "report.json")):
+    if (v := _read(RunDir(r).vocab_manifest)) and (rep := _read(r / "vocab" / vocab_map.REPORT)):
         out["vocab"] = (
             f"{v['draft_vocab_size']:,} draft ids of {v['target_vocab_size']:,} cover "
             f"{100 * v['coverage']:.2f}% of supervised tokens ({rep['distinct_ids_seen']:,} distinct seen)"
@@ -59,7 +59,7 @@ def figures(run_dir: Path) -> dict[str, str]:
         )
     exports = []
     for engine in ("sglang", "vllm"):
-        if e := _read(r / "export" / engine / "export_manifest.json"):
+        if e := _read(RunDir(r).export_manifest(engine)):
             by = e.get("verified_by")
             exports.append(
                 f"{engine}: checks passed, loaded by {by['class']} ({by['engine']} {by['engine_version']})"
@@ -68,7 +68,7 @@ def figures(run_dir: Path) -> dict[str, str]:
             )
     if exports:
         out["export"] = "; ".join(exports)
-    if a := _read(r / "eval" / "acceptance.json"):
+    if a := _read(r / "eval" / eval_reports.OFFLINE):
         ks = a["draft_lengths"]
         tau = {n: "/".join(f"{a[n][str(k)]['tau']:.2f}" for k in ks) for n in ("trained", "untrained")}
         mism = sum(a[n][str(k)]["greedy_mismatches"] for n in ("trained", "untrained") for k in ks)
@@ -80,17 +80,17 @@ def figures(run_dir: Path) -> dict[str, str]:
 
 
 def files_to_open(run_dir: Path) -> list[str]:
-    r = Path(run_dir)
+    rd = RunDir(Path(run_dir))
     wanted = [
-        "train/plots/curves.png",
-        "eval/tau.png",
-        "eval/acceptance.json",
-        "vocab/report.json",
-        "export/sglang/export_manifest.json",
-        "export/sglang/serve.sh",
-        "export/vllm/serve.sh",
+        rd.train / "plots" / "curves.png",
+        rd.eval / "tau.png",
+        rd.eval / eval_reports.OFFLINE,
+        rd.vocab / vocab_map.REPORT,
+        rd.export_manifest("sglang"),
+        rd.export("sglang") / "serve.sh",
+        rd.export("vllm") / "serve.sh",
     ]
-    return [str(r / w) for w in wanted if (r / w).exists()]
+    return [str(w) for w in wanted if w.exists()]
 
 
 def _online(run_dir: Path) -> bool:

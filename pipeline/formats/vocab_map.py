@@ -29,6 +29,10 @@ class VocabError(Exception):
     """A d2t/t2d pair that breaks the offset-table invariants."""
 
 
+MANIFEST = "manifest.json"  # written last: its presence means the vocab is complete
+REPORT = "report.json"  # the vocab stage's coverage report
+
+
 def build(freq: np.ndarray, draft_vocab_size: int) -> tuple[torch.Tensor, torch.Tensor, int]:
     """Top-`draft_vocab_size` ids by count (ties: lower id first), padded with the lowest unused ids when
     fewer were seen (speculators' rule). Returns (d2t, t2d, number of padded ids)."""
@@ -86,14 +90,14 @@ def save(out: Path, d2t: torch.Tensor, t2d: torch.Tensor, freq: np.ndarray, info
     }
     tmp = out / "manifest.json.tmp"
     tmp.write_text(json.dumps(manifest, indent=1, sort_keys=True))
-    os.replace(tmp, out / "manifest.json")  # written last: its presence means complete
+    os.replace(tmp, out / MANIFEST)  # written last: its presence means complete
 
 
 def load(out: Path) -> tuple[torch.Tensor, torch.Tensor, dict]:
     out = Path(out)
-    if not (out / "manifest.json").is_file():
+    if not (out / MANIFEST).is_file():
         raise VocabError(f"no draft vocabulary at {out}")
-    manifest = json.loads((out / "manifest.json").read_text())
+    manifest = json.loads((out / MANIFEST).read_text())
     if manifest.get("format") != FORMAT or manifest.get("schema_version") != SCHEMA_VERSION:
         raise VocabError(f"{out}: not an {FORMAT} schema {SCHEMA_VERSION} folder")
     tensors = load_file(str(out / "vocab.safetensors"))

@@ -32,6 +32,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from pipeline.errors import UserError
+from pipeline.formats import eval_reports
 from pipeline.serving.clients import ThreadClients
 from pipeline.serving.endpoint import (
     VLLM_COUNTERS,
@@ -268,7 +269,7 @@ def measure(cfg, store, prompts: list[list[int]], out: Path) -> Path:
         e.endpoint_timeout_s,
     )
     out.mkdir(parents=True, exist_ok=True)
-    path = out / "online.json"
+    path = out / eval_reports.ONLINE
     path.write_text(json.dumps(report, indent=1))
     if "error" in report:
         raise UserError(f"{report['error']} (written to {path})")

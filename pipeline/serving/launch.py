@@ -15,6 +15,8 @@ import os
 import shlex
 from pathlib import Path
 
+from pipeline.formats import export_layouts as lay
+
 SGLANG_PROGRAM = ["python", "-m", "sglang.launch_server"]
 SPEC_KEYS = ("num_steps", "topk", "num_draft_tokens")
 
@@ -102,8 +104,8 @@ def write_serve(
     record = {**settings(serve), "chosen_by": chosen_by}
     if manifest is not None:
         manifest["serve"] = record
-    elif (folder / "export_manifest.json").is_file():
-        path = folder / "export_manifest.json"
+    elif (folder / lay.MANIFEST).is_file():
+        path = folder / lay.MANIFEST
         data = json.loads(path.read_text())
         data["serve"] = record
         tmp = path.with_suffix(".json.tmp")

@@ -27,6 +27,7 @@ from pipeline.capture import features
 from pipeline.data import prompt_sets
 from pipeline.errors import UserError
 from pipeline.fingerprint import digest, shaping
+from pipeline.formats import eval_reports
 from pipeline.formats.run_dir import RunDir
 from pipeline.serving import bench as online_bench
 
@@ -45,7 +46,7 @@ ONLINE_ONLY = ("baseline_endpoint", "concurrency", "repeats", "warmup_prompts")
 
 
 def fingerprint(cfg) -> str:
-    m = RunDir.of(cfg).export("sglang") / "export_manifest.json"
+    m = RunDir.of(cfg).export_manifest("sglang")
     unread = OFFLINE_ONLY if cfg.eval.endpoint else ONLINE_ONLY
     if not any(name in prompt_sets.SECOND_TURN for name in cfg.eval.sets):  # read by second-turn sets only
         unread += ("first_answer_tokens",)
@@ -59,7 +60,7 @@ def set_dir(cfg, name: str) -> Path:
 
 
 def is_complete(cfg) -> bool:
-    result = "online.json" if cfg.eval.endpoint else "acceptance.json"
+    result = eval_reports.name(bool(cfg.eval.endpoint))
     return all((set_dir(cfg, name) / result).is_file() for name in cfg.eval.sets)
 
 
@@ -89,7 +90,7 @@ def check(cfg) -> None:
 def run(cfg) -> Path:
     check(cfg)
     e, rd = cfg.eval, RunDir.of(cfg)
-    if not e.endpoint and not (rd.export("sglang") / "export_manifest.json").is_file():  # what offline reads
+    if not e.endpoint and not rd.export_manifest("sglang").is_file():  # what offline reads
         raise UserError(f"no SGLang export under {rd.export('sglang')}; run stage=export first")
     store = features.open_source(cfg)
     # online: the server's own acceptance counters; offline: the greedy chain against the local target
@@ -120,7 +121,7 @@ def _sets_table(cfg) -> None:
     rows = {}
     if cfg.eval.endpoint:
         for name in cfg.eval.sets:
-            report = json.loads((set_dir(cfg, name) / "online.json").read_text())
+            report = eval_reports.read(set_dir(cfg, name), online=True)
             spec = report["speculative"]
             rows[name] = {
                 "prompts": spec["requests"],
@@ -146,7 +147,7 @@ def _sets_table(cfg) -> None:
         )
     else:
         for name in cfg.eval.sets:
-            report = json.loads((set_dir(cfg, name) / "acceptance.json").read_text())
+            report = eval_reports.read(set_dir(cfg, name), online=False)
             rows[name] = {
                 "prompts": report["prompts"],
                 "tau": {k: r["tau"] for k, r in report["trained"].items()},
@@ -171,5 +172,5 @@ def _sets_table(cfg) -> None:
             "\n".join(lines),
         )
     out_dir(cfg).mkdir(parents=True, exist_ok=True)
-    name = "sets_online.json" if cfg.eval.endpoint else "sets.json"
+    name = eval_reports.sets_name(bool(cfg.eval.endpoint))
     (out_dir(cfg) / name).write_text(json.dumps(rows, indent=1))

@@ -55,7 +55,7 @@ def fingerprint(cfg) -> str:
 
 
 def is_complete(cfg) -> bool:
-    return all((out_dir(cfg) / e / "export_manifest.json").is_file() for e in cfg.export.engines)
+    return all(RunDir.of(cfg).export_manifest(e).is_file() for e in cfg.export.engines)
 
 
 def check(cfg) -> None:
@@ -202,7 +202,7 @@ def _publish(cfg, engine: str, tensors: dict, provenance: dict, draft_cfg: dict,
     launch.write_serve(
         tmp, engine, store.facts["target_path"], out, cfg.export.serve, {"by": "config"}, manifest
     )
-    (tmp / "export_manifest.json").write_text(json.dumps(manifest, indent=1))
+    (tmp / lay.MANIFEST).write_text(json.dumps(manifest, indent=1))
     problems, report = verify.verify_export(
         tmp,
         engine,
@@ -214,7 +214,7 @@ def _publish(cfg, engine: str, tensors: dict, provenance: dict, draft_cfg: dict,
     )
     if report:
         manifest["verified_by"] = {k: report[k] for k in ("engine", "engine_version", "class")}
-        (tmp / "export_manifest.json").write_text(json.dumps(manifest, indent=1))
+        (tmp / lay.MANIFEST).write_text(json.dumps(manifest, indent=1))
     if problems:
         raise UserError(f"export/{engine} failed its checks: " + "; ".join(problems))
     shutil.rmtree(out, ignore_errors=True)

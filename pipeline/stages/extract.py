@@ -44,7 +44,7 @@ def check(cfg) -> None:
 
 
 def fingerprint(cfg) -> str:
-    stats_path = RunDir.of(cfg).prepared / "stats.json"
+    stats_path = RunDir.of(cfg).prepared_stats
     prepared = stats_path.read_text() if stats_path.exists() else None
     # the SGLang knobs shape nothing under backend=hf (and leaving them out keeps hf stores made before they
     # existed up to date); SGLang's memory fraction never shapes the states

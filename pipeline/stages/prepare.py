@@ -23,6 +23,7 @@ from pipeline.data.synthesize import synthesize
 from pipeline.errors import UserError
 from pipeline.fingerprint import digest, shaping
 from pipeline.formats import prepared
+from pipeline.formats.run_dir import RunDir
 from pipeline.models import targets
 from pipeline.serving import regenerate_server
 
@@ -115,7 +116,7 @@ def _check_generation(p) -> list[str]:
 
 
 def is_complete(cfg) -> bool:
-    return (out_dir(cfg) / "stats.json").is_file()
+    return RunDir.of(cfg).prepared_stats.is_file()
 
 
 def run(cfg) -> Path:

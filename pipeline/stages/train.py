@@ -87,7 +87,7 @@ def check(cfg) -> None:
 
 
 def fingerprint(cfg) -> str:
-    vocab_manifest = RunDir.of(cfg).vocab / "manifest.json"
+    vocab_manifest = RunDir.of(cfg).vocab_manifest
     return digest(
         {
             "vocab": vocab_manifest.read_text() if vocab_manifest.exists() else None,

@@ -48,7 +48,7 @@ def fingerprint(cfg) -> str:
 
 
 def is_complete(cfg) -> bool:
-    return (out_dir(cfg) / "manifest.json").is_file()
+    return RunDir.of(cfg).vocab_manifest.is_file()
 
 
 def run(cfg) -> Path:
@@ -91,7 +91,7 @@ def run(cfg) -> Path:
         "padded_ids": padded,
     }
     vocab_map.save(out_dir(cfg), d2t, t2d, freq, info)
-    (out_dir(cfg) / "report.json").write_text(json.dumps(report, indent=1))
+    (out_dir(cfg) / vocab_map.REPORT).write_text(json.dumps(report, indent=1))
     log.info(
         "vocab: %d draft ids cover %.2f%% of %d supervised tokens (%d distinct seen, %d padded)",
         K,

@@ -23,6 +23,7 @@ from pipeline.acceptance.prompts import heldout_prompts
 from pipeline.capture import features
 from pipeline.data import prompt_sets
 from pipeline.errors import UserError
+from pipeline.formats import export_layouts as lay
 from pipeline.formats.run_dir import RunDir
 from pipeline.serving import launch, sweep
 
@@ -65,7 +66,7 @@ def check(cfg) -> None:
 
 def export_folder(cfg) -> Path:
     folder = Path(cfg.export_dir) if cfg.export_dir else RunDir.of(cfg).export("sglang")
-    manifest = folder / "export_manifest.json"
+    manifest = folder / lay.MANIFEST
     if not manifest.is_file() or not (folder / "serve.sh").is_file():
         raise UserError(
             f"no SGLang export in {folder} (export_manifest.json and serve.sh): run stage=export "
@@ -94,7 +95,7 @@ def run(cfg) -> Path:
 
 def tune(cfg, folder: Path, prompts: list[list[int]]) -> Path:
     """Sweep, write the table, rewrite the export's serve settings to the winner; the table's path."""
-    manifest = json.loads((folder / "export_manifest.json").read_text())
+    manifest = json.loads((folder / lay.MANIFEST).read_text())
     if manifest.get("serve"):
         base = launch.settings(manifest["serve"])
     else:
