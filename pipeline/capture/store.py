@@ -20,6 +20,7 @@ from tqdm import tqdm
 
 from pipeline.capture import features
 from pipeline.capture.hf import Capture, plan_batches
+from pipeline.capture.settings import backend
 from pipeline.errors import UserError
 from pipeline.formats import feature_store as fs
 from pipeline.formats import shard_regions
@@ -28,26 +29,6 @@ from pipeline.formats.run_dir import RunDir
 from pipeline.models import targets
 
 log = logging.getLogger(__name__)
-
-
-def backend(cfg) -> str:
-    return str(getattr(cfg.extract.backend, "value", cfg.extract.backend))
-
-
-def check_backend(cfg) -> None:
-    """extract.backend=sglang: SGLang importable here, at a version eaglepipe supports (one line if not)."""
-    if backend(cfg) == "sglang":
-        from pipeline.engines import sglang_capture as sc
-
-        try:
-            import sglang
-        except ImportError:
-            raise UserError(
-                f"extract.backend=sglang needs sglang {sc.SUPPORTED[0]} .. {sc.SUPPORTED[1]} (and a "
-                "CUDA GPU) in this Python; README, 'SGLang capture backend', has the GPU-box commands"
-            ) from None
-        if problem := sc.version_problem(sglang.__version__):
-            raise UserError(problem)
 
 
 def out_dir(cfg) -> Path:
@@ -259,12 +240,10 @@ def extract_shards(
     commits: deque[Future] = deque()
     widths = (n_aux * hidden, hidden)
     procs = _writer_processes(ex, widths, fp8) if write else None
-    writer, in_process = (
-        None,
-        0,
-    )  # the shard being filled (not yet handed to a commit); shards /dev/shm had no room for
-    # committing shard k (its chunks encoded and written by extract.write_workers processes) overlaps
-    # computing k+1
+    # writer: the shard being filled (not yet handed to a commit); in_process: shards /dev/shm had no room
+    # for. Committing shard k (its chunks encoded and written by extract.write_workers processes) overlaps
+    # computing k+1.
+    writer, in_process = None, 0
     try:
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="extract-commit") as commit_thread:
             for spec in todo:

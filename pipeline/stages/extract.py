@@ -14,9 +14,8 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from pipeline.capture import store
-from pipeline.capture.store import backend, check_backend
-from pipeline.errors import UserError
+from pipeline.capture import settings, store
+from pipeline.capture.settings import backend
 from pipeline.fingerprint import digest
 from pipeline.formats import feature_store as fs
 from pipeline.formats.run_dir import RunDir
@@ -30,17 +29,7 @@ def out_dir(cfg) -> Path:
 
 
 def check(cfg) -> None:
-    check_backend(cfg)
-    for key in ("batch_tokens", "shard_tokens", "chunk_tokens", "max_batch_size", "write_workers"):
-        if cfg.extract[key] < 1:
-            raise UserError(f"extract.{key}={cfg.extract[key]}: must be >= 1")
-    writer = str(getattr(cfg.extract.writer, "value", cfg.extract.writer))
-    if cfg.extract.write_workers > 1 and writer != "zarr":
-        raise UserError(
-            f"extract.write_workers={cfg.extract.write_workers} starts zarr-python writer processes; "
-            f"extract.writer={writer} already writes on every core: set extract.writer=zarr to use them, "
-            "or leave write_workers at 1"
-        )
+    settings.check(cfg)
 
 
 def fingerprint(cfg) -> str:

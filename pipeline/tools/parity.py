@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
-from pipeline.capture import store
+from pipeline.capture import settings, store
 from pipeline.errors import UserError
 from pipeline.formats import feature_store as fs
 from pipeline.formats.run_dir import RunDir
@@ -68,7 +68,7 @@ def run(cfg) -> Path:
         link = root / backend / "prepared"
         if not link.exists():
             link.symlink_to(prepared.resolve())
-        store.check_backend(sub)
+        settings.check(sub)
         stores[backend] = fs.FeatureStore(store.extract(sub))
     report = {
         "samples": len(stores["hf"]),

@@ -25,6 +25,7 @@ from hydra import compose, initialize_config_dir
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
+from pipeline.capture import settings as capture_settings  # noqa: E402
 from pipeline.capture import store as capture_store  # noqa: E402
 from pipeline.capture.aux_layers import aux_layer_ids  # noqa: E402
 from pipeline.capture.hf import Capture, pad_batch, plan_batches  # noqa: E402
@@ -70,7 +71,7 @@ def main() -> None:
     register()
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
         cfg = compose(config_name="config", overrides=overrides)
-    ex, backend = cfg.extract, capture_store.backend(cfg)
+    ex, backend = cfg.extract, capture_settings.backend(cfg)
     pipe = [sys.executable, "-m", "pipeline", *overrides]
     subprocess.run([*pipe, "stage=prepare"], check=True)
     subprocess.run([*pipe, "stage=extract", "extract.overwrite=true"], check=True)

@@ -303,17 +303,17 @@ def test_threads_committing_shards_at_once_lose_no_manifest_entry_even_where_flo
     tmp_path, monkeypatch
 ):
     """extract.write_workers: shards of one process commit from several threads. On NFS, Linux maps flock to
-    fcntl
-    locks, which do not exclude threads of one process; simulated here at that boundary by a flock that
-    excludes
-    nothing (named: fake_nfs_flock), with a slow read so that unguarded read-modify-writes would overlap."""
+    fcntl locks, which do not exclude threads of one process; simulated here at that boundary by a flock that
+    excludes nothing (named: fake_nfs_flock), with a slow read so that unguarded read-modify-writes would
+    overlap."""
     import threading
     import time
 
     sw.open_for_writing(tmp_path, FACTS)
     monkeypatch.setattr(fs.fcntl, "flock", lambda f, op: None)  # fake_nfs_flock: no exclusion between threads
     real_read = fs.read_manifest
-    monkeypatch.setattr(fs, "read_manifest", lambda root: (time.sleep(0.02), real_read(root))[1])
+    # add_shard (store_writer) reads the manifest through its own name for it
+    monkeypatch.setattr(sw, "read_manifest", lambda root: (time.sleep(0.02), real_read(root))[1])
     entries = [
         {"name": fs.shard_name(i), "sample_start": i, "sample_end": i + 1, "num_tokens": 1} for i in range(8)
     ]
