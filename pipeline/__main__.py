@@ -146,10 +146,8 @@ def schema_as_option(args: list[str]) -> str | None:
 
 
 # A tool (verify, serve, doctor, parity, check-store, plan) writes no Hydra files into a run directory: no
-# .hydra/
-# config over the run's recorded one, no log file; its log goes to the terminal only (parity's own output goes
-# to
-# run_dir/parity/, no stage's folder).
+# .hydra/ config over the run's recorded one, no log file; its log goes to the terminal only (parity's own
+# output goes to run_dir/parity/, no stage's folder).
 TOOL_HYDRA = ["hydra.output_subdir=null", "hydra/job_logging=stdout", "hydra.run.dir=."]
 
 
@@ -157,8 +155,7 @@ def cpu_ranks_asked() -> int:
     """N of `accelerate launch --cpu --num_processes N`, read from that launcher's own command line (Linux
     /proc):
     with --cpu, accelerate takes its simple launcher, which starts ONE process whatever N says and passes no
-    N on
-    (it spawns N only for GPUs, or through mpirun). 1 when not launched so, or already one of several
+    N on (it spawns N only for GPUs, or through mpirun). 1 when not launched so, or already one of several
     ranks."""
     if os.environ.get("ACCELERATE_USE_CPU", "").lower() != "true" or "LOCAL_RANK" in os.environ:
         return 1

@@ -77,8 +77,8 @@ class DataConfig:
     shuffle: bool = True
     on_error: OnError = OnError.skip
     # embedded sources (chitchat, chatterbot) whose conversations join this one's before the shuffle and the
-    # limit,
-    # e.g. data=chitchat data.extra_sources=[chatterbot] data.limit=null: every usable chat of both wheels
+    # limit, e.g. data=chitchat data.extra_sources=[chatterbot] data.limit=null: every usable chat of both
+    # wheels
     extra_sources: list[str] = field(default_factory=list)
     sources: list[SourceConfig] = field(default_factory=list)  # data=mix only (conf/data/mix.yaml)
     on_leak: OnLeak = (
@@ -152,22 +152,17 @@ class ExtractConfig:
     batch_tokens: int = 16384
     max_batch_size: int = 64
     # A shard closes when the next sample would exceed this: the host buffer per shard (x 2: one commits while
-    # the
-    # next computes), 1.2 GB for SmolLM2, 15 GB for Kimi-K2.5.
+    # the next computes), 1.2 GB for SmolLM2, 15 GB for Kimi-K2.5.
     shard_tokens: int = 262144
     # > 1: processes that encode and write every shard's chunks from shared memory (/dev/shm: 2 shards per
-    # rank of
-    # the node); 1: this process
-    # (docs/feature_store.md, writing protocol 5). Raise it where the writer, not the capture, binds
-    # (scripts/bench/capture.py measures both). Not in extract's fingerprint: the bytes are the
-    # same
+    # rank of the node); 1: this process (docs/feature_store.md, writing protocol 5). Raise it where the
+    # writer, not the capture, binds (scripts/bench/capture.py measures both). Not in extract's fingerprint:
+    # the bytes are the same
     write_workers: int = 1
     # tensorstore: Google's C++ zarr v3 writer encodes and writes every array of a shard on all cores, outside
-    # the
-    # GIL (chunks byte for byte those zarr-python writes: same codecs, crc32c last); zarr: zarr-python in this
-    # process
-    # (or write_workers processes). scripts/bench/shard_commit.py --writers measures both. Not in extract's
-    # fingerprint
+    # the GIL (chunks byte for byte those zarr-python writes: same codecs, crc32c last); zarr: zarr-python in
+    # this process (or write_workers processes). scripts/bench/shard_commit.py --writers measures both. Not in
+    # extract's fingerprint
     writer: StoreWriter = StoreWriter.tensorstore
     # zarr chunk length along tokens of the 2-D arrays (the 1-D input_ids / loss_mask: at least 16,384 tokens,
     # feature_store.ID_CHUNK_TOKENS). A loader reading a ~450-token sample decodes every chunk it touches: 512
@@ -175,8 +170,7 @@ class ExtractConfig:
     # "Chunk length"); raise it where the filesystem dislikes many small files. Not in extract's fingerprint
     chunk_tokens: int = 512
     # bitshuffled lz4: on SmolLM2's bf16 states (H200) 1.5% smaller AND 10% faster end to end than zstd level
-    # 3
-    # (docs/feature_store.md "Compressor"); `none` for the fastest writes (+21% bytes). Not in extract's
+    # 3 (docs/feature_store.md "Compressor"); `none` for the fastest writes (+21% bytes). Not in extract's
     # fingerprint.
     compressor: Compressor = Compressor.blosc_lz4
     store_dtype: StoreDtype = (
@@ -224,15 +218,13 @@ class TrainConfig:
     # step
     tokens_per_pack: int = 4096
     # a sample longer than a pack is split into windows of tokens_per_pack; each later window repeats this
-    # many
-    # positions before it as context (attended to, not scored). null = tokens_per_pack // 4
+    # many positions before it as context (attended to, not scored). null = tokens_per_pack // 4
     split_context: int | None = None
     # pad every pack to exactly tokens_per_pack (document id -1, loss mask 0): one shape for every step, so a
     # compiled step compiles once (issue #14); the loss and its gradients are those of the unpadded pack.
     # null = on when training on CUDA, where speculators compiles the forward: with one shape it stays
-    # compiled
-    # (99.8K tokens/s on the H200, BENCHMARKS.md 2026-12-02); with a length per pack dynamo hits its recompile
-    # limit and runs eager. Off on CPU (no compilation: the padding would only cost)
+    # compiled (99.8K tokens/s on the H200, BENCHMARKS.md 2026-12-02); with a length per pack dynamo hits its
+    # recompile limit and runs eager. Off on CPU (no compilation: the padding would only cost)
     pad_packs: bool | None = None
     grad_accum: int = 1
     epochs: int = 1
@@ -241,8 +233,7 @@ class TrainConfig:
     weight_decay: float = 0.0
     # AdamW's (beta1, beta2): torch's, as speculators' Trainer uses. With EAGLE's 0.95 (the default until
     # 2026-12-02) val acc_0 was 1.6 points below speculators' on the same packs and steps; with 0.999 it is
-    # equal
-    # (BENCHMARKS.md, "our loop with speculators' AdamW betas")
+    # equal (BENCHMARKS.md, "our loop with speculators' AdamW betas")
     adam_betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
     schedule: str = "cosine"  # transformers get_scheduler name: cosine | linear | constant_with_warmup
     warmup_steps: int = 10
@@ -284,8 +275,7 @@ class ExportConfig:
 @dataclass
 class EvalConfig:
     # prompt sets: heldout (validation samples, cut where the assistant starts answering), mt_bench (first
-    # turn),
-    # mt_bench_turn2 (second turn, after the target's greedy first answer), humaneval
+    # turn), mt_bench_turn2 (second turn, after the target's greedy first answer), humaneval
     # (pipeline/data/prompt_sets.py: data files of PyPI wheels); heldout -> eval/, another set -> eval/<set>/
     sets: list[str] = field(default_factory=lambda: ["heldout"])
     num_prompts: int = 8  # per set
@@ -297,9 +287,9 @@ class EvalConfig:
     max_draft: int = 5  # draft lengths 1..max_draft
     device: str = "auto"  # the target and the draft run in fp32 here, on this device
     # prompts decoded together by the offline bench (pipeline/acceptance/batched.py), each once per draft
-    # length
-    # in the same pass: batch_size x max_draft rows of KV cache (fp32) at once; 1 = one at a time through the
-    # serial reference (offline.speculate, transformers' generate). Results are the same either way.
+    # length in the same pass: batch_size x max_draft rows of KV cache (fp32) at once; 1 = one at a time
+    # through the serial reference (offline.speculate, transformers' generate). Results are the same either
+    # way.
     batch_size: int = 16
     # Online bench instead of the offline one: a running SGLang/vLLM server serving this draft
     endpoint: str | None = None  # e.g. http://localhost:30000
@@ -342,8 +332,7 @@ class TuneConfig:
     # script
     launch_prefix: str | None = None
     # flags for the sweep's servers only, never written to serve.sh, e.g. [--mem-fraction-static, "0.35"] so
-    # the
-    # baseline and a candidate fit on one GPU together
+    # the baseline and a candidate fit on one GPU together
     server_args: list[str] = field(default_factory=list)
     start_timeout_s: float = (
         900.0  # a server not healthy by then failed (SGLang with graphs: ~2 min on the H200)

@@ -30,8 +30,8 @@ TOOLS = ["verify", "serve", "doctor", "parity", "check_store", "plan", "tune_ser
 
 
 # Stages with a multi-process implementation (torchrun / accelerate launch): extract (hf: data parallel;
-# sglang:
-# tensor parallel) and train (DDP). Any other stage on several ranks would write the same files from each.
+# sglang: tensor parallel) and train (DDP). Any other stage on several ranks would write the same files from
+# each.
 MULTI_RANK = ("extract", "train")
 
 
@@ -131,8 +131,7 @@ def _resume_conflicts(cfg, names: list[str]) -> list[str]:
 def run_stages(cfg) -> None:
     stage = str(getattr(cfg.stage, "value", cfg.stage))
     # httpx logs every request at INFO: a regeneration or an online bench sends tens of thousands; their
-    # counts and
-    # rates are our own log lines
+    # counts and rates are our own log lines
     logging.getLogger("httpx").setLevel(logging.WARNING)
     try:
         _run_stages(cfg, stage)

@@ -4,10 +4,8 @@ It stands where SGLang or vLLM stand in production: GET /health and /v1/models, 
 reply is a function of the whole message list, so a turn answered from a wrong prefix shows) and
 /v1/completions (the text is a function of the seed: SYNTH_TEXTS[seed % len]). Behaviours for fault tests:
 `die_after` (answer that many POSTs, then drop the connection and stop listening), `fail_first` (that many
-500s
-first), `always` ("500" or "empty": every POST), `bad` ({substring: "500" | "empty"}: a POST whose last
-message
-contains it), `no_usage` (no usage block: the client counts tokens itself).
+500s first), `always` ("500" or "empty": every POST), `bad` ({substring: "500" | "empty"}: a POST whose last
+message contains it), `no_usage` (no usage block: the client counts tokens itself).
 
 In a thread: `server = start(**behaviour)`; `server.posts` lists every POST's body (every request it saw).
 As a script (prepare.regenerate_server.engine=command): `python tests/openai_test_server.py --port P

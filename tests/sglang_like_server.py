@@ -5,11 +5,10 @@ or in a thread (`handler(...)`) for the bench's own tests.
 
 It answers what the online bench and the sweep read, with the fields of SGLang's sources: GET /health,
 GET /get_server_info (model_path, speculative_* settings, attention_backend, cuda_graph_max_bs), POST
-/generate
-(meta_info.completion_tokens, spec_verify_ct). The behaviour file maps "plain" (no --speculative-algorithm)
-or a
-candidate's num_steps (as a string) to {"delay_s": seconds per request, "fail_at_start": true, "die_after": N
-requests then the process exits, "reports": {server_info fields that differ from the flags}}.
+/generate (meta_info.completion_tokens, spec_verify_ct). The behaviour file maps "plain" (no
+--speculative-algorithm) or a candidate's num_steps (as a string) to {"delay_s": seconds per request,
+"fail_at_start": true, "die_after": N requests then the process exits, "reports": {server_info fields that
+differ from the flags}}.
 """
 
 from __future__ import annotations

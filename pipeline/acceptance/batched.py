@@ -9,8 +9,7 @@ sequence. A rejected proposal's slot stays, masked out for good; positions count
 - draft (ExportedDraft, SGLang's forward of the exported tensors): a per-row cache of the per-head K
 and
   V of its context (token t+1 with the target's fused aux state t); each round's chain entries (a proposal
-  with
-  the draft's own output state) are attended to and then dropped, as SGLang's draft does.
+  with the draft's own output state) are attended to and then dropped, as SGLang's draft does.
 Acceptance is computed on the device; one host transfer per round reads the accepted lengths and tokens.
 """
 
@@ -136,8 +135,7 @@ def speculate(model, capture: Capture, dr, prompts: list[list[int]], max_new: in
     """Greedy chain speculative decoding of B prompts at once. `k`: the draft length, one for every row or
     one per
     row (a list): rows of several draft lengths share every forward, a shorter row's extra proposals and
-    verify
-    slots masked out. Returns, per prompt, (generated ids, accepted proposals per round): what
+    verify slots masked out. Returns, per prompt, (generated ids, accepted proposals per round): what
     offline.speculate
     returns for that prompt alone at its k."""
     B, dev = len(prompts), model.device

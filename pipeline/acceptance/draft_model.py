@@ -74,8 +74,8 @@ class ExportedDraft:
 
     def _mla(self, x: torch.Tensor, pos: torch.Tensor):
         """Multi-latent attention, unabsorbed: q through its LoRA, one shared latent (kv_lora) + one shared
-        rope key
-        per token, expanded per head by kv_b; the rope part rotated GPT-J style (interleaved pairs), as
+        rope key per token, expanded per head by kv_b; the rope part rotated GPT-J style (interleaved pairs),
+        as
         DeepseekV2AttentionMLA's is_neox_style=False."""
         p, w, (B, N), H = "midlayer.self_attn.", self.w, x.shape[:2], self.heads
         q = self._rms(x @ w[p + "q_a_proj.weight"].T, p + "q_a_layernorm.weight") @ w[p + "q_b_proj.weight"].T
@@ -131,8 +131,7 @@ class ExportedDraft:
 
 def _rotary(config: dict, head_dim: int):
     """transformers' Llama rotary embedding for the export's rope (default, yarn, ...): the one the draft
-    trained
-    with (speculators builds its layer from a LlamaConfig) and the one SGLang's Llama draft reads from
+    trained with (speculators builds its layer from a LlamaConfig) and the one SGLang's Llama draft reads from
     config.json."""
     from transformers import LlamaConfig
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding

@@ -1,14 +1,11 @@
 """tau while training (`train.eval_tau_every_steps`, issue #17): the draft as the export would serve it,
-measured
-by the offline greedy chain, without writing a file.
+measured by the offline greedy chain, without writing a file.
 
 At each such step rank 0 turns the draft's current weights into the SGLang export's tensors and config, with
-the
-export stage's own functions (export_layouts.sglang_tensors / sglang_config, the same bf16 cast), and runs the
-batched offline tau (acceptance/batched.py) on `eval.num_prompts` held-out prompts, k = 1..eval.max_draft, on
-the
-fp32 target evaluate uses. So the tau logged at a step is the tau `evaluate` reports for an export of that
-step.
+the export stage's own functions (export_layouts.sglang_tensors / sglang_config, the same bf16 cast), and runs
+the batched offline tau (acceptance/batched.py) on `eval.num_prompts` held-out prompts, k = 1..eval.max_draft,
+on the fp32 target evaluate uses. So the tau logged at a step is the tau `evaluate` reports for an export of
+that step.
 """
 
 from __future__ import annotations

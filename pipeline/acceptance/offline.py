@@ -78,13 +78,10 @@ def teacher_forced(
 ) -> torch.Tensor:
     """Step-0 hits of the draft along the target's own continuation, teacher-forced as training's acc_0 is: at
     each position t from the prompt's last token on, the draft reads the target's aux states of the sequence
-    up to
-    t and token t+1, and hits when its proposal is token t+2. Returns a bool per continuation token after the
-    first
-    ([len(continuation) - 1]). Speculation at k = 1 asks exactly these questions, but only at the positions
-    where
-    rounds start (after an accepted proposal it skips the verifier's bonus token), so its first-position
-    acceptance
+    up to t and token t+1, and hits when its proposal is token t+2. Returns a bool per continuation token
+    after the first ([len(continuation) - 1]). Speculation at k = 1 asks exactly these questions, but only at
+    the positions where rounds start (after an accepted proposal it skips the verifier's bonus token), so its
+    first-position acceptance
     is this accuracy at a sample of positions that leans toward where the draft failed."""
     seq, P = prompt + continuation, len(prompt)
     dev = model.device

@@ -21,10 +21,9 @@ log = logging.getLogger(__name__)
 
 def set_prompts(cfg, store, name: str, n: int, prompt_tokens: int, bench=None) -> list[list[int]]:
     """The first n prompts of a standard set that fit, each through the target's chat template: one user
-    message
-    of at most prompt_tokens tokens; for a second-turn set (mt_bench_turn2), the first turn, the target's own
-    greedy answer to it (`bench.greedy_answers`, at most eval.first_answer_tokens) and the second turn, at
-    most
+    message of at most prompt_tokens tokens; for a second-turn set (mt_bench_turn2), the first turn, the
+    target's own greedy answer to it (`bench.greedy_answers`, at most eval.first_answer_tokens) and the second
+    turn, at most
     prompt_tokens + eval.first_answer_tokens. The ones too long are counted in the log."""
     from pipeline.models import targets
 

@@ -191,9 +191,8 @@ def _shard_writer(cfg, spec, facts: dict, widths: tuple[int, int], shared: bool)
 
 def _writer_processes(ex, widths: tuple[int, int], fp8: bool):
     """extract.write_workers > 1: that many processes encode and write every shard's chunks, the shard
-    buffers in
-    shared memory (docs/feature_store.md, writing protocol 5: what they give, measured); None (this process
-    writes)
+    buffers in shared memory (docs/feature_store.md, writing protocol 5: what they give, measured); None (this
+    process writes)
     where there is one worker, or /dev/shm cannot hold the two shards in flight (said in the log)."""
     if ex.write_workers <= 1:
         return None

@@ -31,10 +31,9 @@ def cut_turns(convs: list[dict], max_turns: int | None) -> int:
 
 def cut_long_prompts(tok, convs: list[dict], max_len: int) -> tuple[list[dict], dict]:
     """Before regeneration: cut each conversation before its first assistant turn whose prompt (the
-    chat-templated
-    turns before it) holds max_len tokens or more; a conversation left without an assistant turn is dropped.
-    Samples are cut at max_len, so such an answer would never be trained on, and a server refuses a prompt
-    longer
+    chat-templated turns before it) holds max_len tokens or more; a conversation left without an assistant
+    turn is dropped. Samples are cut at max_len, so such an answer would never be trained on, and a server
+    refuses a prompt longer
     than its context (HTTP 400: 19 ShareGPT first turns on the H200, 2026-12-03). Counted, never silent."""
     kept, cut, dropped = [], 0, 0
     for c in convs:

@@ -22,8 +22,7 @@ log = logging.getLogger(__name__)
 
 def prompt_too_long(tok, messages: list[dict], max_len: int, lock=None) -> bool:
     """The chat-templated prompt holds max_len tokens or more: its answer would be cut away from the sample,
-    and a
-    server refuses a prompt past its context. Checked on the prompt as sent (after earlier turns were
+    and a server refuses a prompt past its context. Checked on the prompt as sent (after earlier turns were
     regenerated);
     data/chat_tokens.cut_long_prompts already checked every first turn."""
     import contextlib

@@ -7,8 +7,7 @@ g[t] with the target's last state y[t+1] and loss mask l[t+1]; a sample of n tok
 A *piece* is (sample, start, context): positions [start, start + T) of that sample, the first `context` of
 them loss-masked. A sample whose n-1 positions fit one pack is one piece (i, 0, 0). A longer one is split
 (`split_points`): windows of T positions with stride T - context, so every position is trained exactly once
-and
-each later window starts with `context` already-trained positions that the draft attends to but is not
+and each later window starts with `context` already-trained positions that the draft attends to but is not
 scored on. Nothing is cut (issue #12, B7).
 """
 

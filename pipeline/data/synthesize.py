@@ -97,8 +97,7 @@ def filter_prompts(
     special_tokens: Iterable[str] = (),
 ) -> tuple[list[tuple[int, str]], dict[str, int]]:
     """(kept (index, stripped text), drops per reason, every reason present). A text is dropped for the first
-    of
-    REASONS it meets; `duplicate` is against the texts kept before it and against `existing` (first user
+    of REASONS it meets; `duplicate` is against the texts kept before it and against `existing` (first user
     turns)."""
     special = tuple(special_tokens)
     seen = {normalised(t) for t in existing}

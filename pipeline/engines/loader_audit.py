@@ -7,10 +7,8 @@ dropped (silently, if the engine raised nothing), a parameter still all-NaN was 
 partly NaN was written only in part (e.g. q but not k/v of a fused qkv). A loader that concatenates tensors
 before writing them (SGLang's MLA draft: q_a_proj + kv_a_proj_with_mqa -> fused_qkv_a_proj_with_mqa) hands its
 weight loader a new tensor: an exported tensor no loader received is still consumed when its values sit,
-whole,
-as a block of rows of a parameter (found by content for matrices, reported as `consumed_fused`; a vector is
-never
-matched this way: its rows are scalars).
+whole, as a block of rows of a parameter (found by content for matrices, reported as `consumed_fused`; a
+vector is never matched this way: its rows are scalars).
 """
 
 from __future__ import annotations

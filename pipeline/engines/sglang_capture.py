@@ -2,15 +2,14 @@
 
 Runs in a Python that has sglang 0.5.17 .. 0.5.23 (a GPU box; CI's .venv-engines has 0.5.23 for the contract
 tests, and they also pass against 0.5.17's source: docs/conventions.md, "SGLang 0.5.17 vs 0.5.23"). The
-feature
-store, sharding, resume and sample order are extract.py's; this module only turns a batch of samples (token
-id lists) into packed (aux, last) tensors, like capture.hf.Capture.packed does for HF:
+feature store, sharding, resume and sample order are extract.py's; this module only turns a batch of samples
+(token id lists) into packed (aux, last) tensors, like capture.hf.Capture.packed does for HF:
 - aux: SGLang's own capture. `set_eagle3_layers_to_capture(ids)` (sglang/srt/models/llama.py) sets
   `model.layers_to_capture = [k + 1 for k in ids]`, i.e. the residual stream entering layer k+1 = the output
   of layer k: SGLang id k = eaglepipe id k (docs/conventions.md). DeepSeek-V2/V3 and Kimi-K2.5 classes number
   by the first id (export_layouts.SGLANG_FIRST_ID_RULE); `request_capture` checks what the class set. With
-  `CaptureHiddenMode.FULL` the logits
-  output's `hidden_states` is the concatenation of those states for every token.
+  `CaptureHiddenMode.FULL` the logits output's `hidden_states` is the concatenation of those states for every
+  token.
 - last: SGLang does not return it under aux capture (its logits processor hands back the aux concatenation
   instead of the final state), and `return_hidden_states_before_norm` is ignored by llama. So a forward hook
   on the final norm keeps its updated residual: SGLang calls `norm(hidden, residual)`, which returns
@@ -165,9 +164,8 @@ class LastStateHook:
 class SGLangCapture:
     """capture.hf.Capture's `packed` over SGLang: samples (lists of token ids) -> (aux [sum(len), n*H],
     last [sum(len), H]) in bf16 on the GPU, sample after sample. SGLang packs a batch token after token
-    itself, so
-    nothing is padded: the ids go from the host lists straight into the requests (no padded batch on the
-    device,
+    itself, so nothing is padded: the ids go from the host lists straight into the requests (no padded batch
+    on the device,
     no per-row device-to-host `tolist`), and the states come back in the order extract writes them."""
 
     def __init__(self, runner, aux_ids: list[int]):
@@ -306,8 +304,7 @@ def extend_batch(reqs: list, req_to_token_pool, token_to_kv_pool_allocator, tree
     )
     batch.prepare_for_extend()
     # prepare_for_extend stages the token ids on the host (prefill_input_ids_cpu, 0.5.17 and 0.5.23) and
-    # leaves
-    # input_ids None; the scheduler copies them over at forward entry (managers/overlap_utils.py::
+    # leaves input_ids None; the scheduler copies them over at forward entry (managers/overlap_utils.py::
     # resolve_forward_inputs, prefill case). Without this the forward gets no input ids: on the H200 the eager
     # runner's buffer copy failed ("size of tensor a (0) must match ... b (23565)", 2026-12-01).
     if batch.input_ids is None and getattr(batch, "prefill_input_ids_cpu", None) is not None:

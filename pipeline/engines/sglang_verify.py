@@ -1,16 +1,12 @@
 """Load an export into SGLang's OWN draft class (`LlamaForCausalLMEagle3`, or `Eagle3DeepseekV2ForCausalLM`
-for
-the MLA draft: the one its config.json names) through its OWN `load_weights`, on CPU.
+for the MLA draft: the one its config.json names) through its OWN `load_weights`, on CPU.
 
 Runs inside the engines' virtualenv (.venv-engines: sglang 0.5.23 on CPU torch 2.13.0, transformers 5.19),
-never
-in the main one:   .venv-engines/bin/python -m pipeline.engines.sglang_verify EXPORT_DIR TARGET_DIR
-[ALGORITHM]
-Prints one JSON line: the engine version; tensors the loader consumed and dropped; engine parameters never
-written; whether hot_token_id == arange + d2t; and what SGLang's own server-side resolution
-(`resolve_spec_aux_hidden_state_config`) makes of this draft under ALGORITHM (default EAGLE3): whether
-the target captures aux hidden states and which layer ids it passes to `set_eagle3_layers_to_capture`; and
-what
+never in the main one:   .venv-engines/bin/python -m pipeline.engines.sglang_verify EXPORT_DIR TARGET_DIR
+[ALGORITHM] Prints one JSON line: the engine version; tensors the loader consumed and dropped; engine
+parameters never written; whether hot_token_id == arange + d2t; and what SGLang's own server-side resolution
+(`resolve_spec_aux_hidden_state_config`) makes of this draft under ALGORITHM (default EAGLE3): whether the
+target captures aux hidden states and which layer ids it passes to `set_eagle3_layers_to_capture`; and what
 the target's own class (built on meta) sets `layers_to_capture` to from those ids.
 """
 

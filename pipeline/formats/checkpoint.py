@@ -60,8 +60,7 @@ REPLACED = ".replaced"  # train/.replaced/: what a fresh start set aside, delete
 
 def set_aside(root: Path) -> int:
     """A fresh start (train.resume=never, or nothing to resume): move every checkpoint and the final export
-    into
-    root/.replaced/, where resume never looks. They are deleted only when this run commits its first
+    into root/.replaced/, where resume never looks. They are deleted only when this run commits its first
     checkpoint
     (`finish`), so a run that fails before that (a damaged chunk, a crash) has destroyed nothing."""
     moved = _checkpoint_dirs(root)

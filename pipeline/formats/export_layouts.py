@@ -55,8 +55,7 @@ class AuxIdsUnservable(ValueError):
 
 def sglang_capture_points(ids: list[int], architecture: str = "") -> list[int]:
     """What SGLang's target class makes of config ids: the loop indices i whose INPUT (= output of layer i-1)
-    it
-    captures (`model.layers_to_capture`), replayed from the source named above. The contract tests compare
+    it captures (`model.layers_to_capture`), replayed from the source named above. The contract tests compare
     this
     with the class itself."""
     if architecture in SGLANG_FIRST_ID_RULE and not (ids and ids[0] == 1):
@@ -132,8 +131,7 @@ class DraftArch:
 DRAFT_ARCHS = {
     "llama": DraftArch("llama", "llama", "LlamaForCausalLMEagle3", "llama", ("sglang", "vllm")),
     # sglang models/kimi_k25_eagle3.py (0.5.17 and 0.5.23); its model_type deepseek_v3 parses in both (0.5.23
-    # also
-    # aliases kimi_k2, 0.5.17 does not)
+    # also aliases kimi_k2, 0.5.17 does not)
     "mla": DraftArch("mla", "deepseek_v3", "Eagle3DeepseekV2ForCausalLM", "deepseek_v3", ("sglang",)),
 }
 

@@ -99,8 +99,8 @@ def encode_fp8(
     Each token's each layer is scaled so its largest |value| is e4m3's largest finite value (448): relative
     rounding error <= 2^-4 per element (3 mantissa bits), smaller magnitudes down to e4m3's subnormals.
     Encoded chunk_rows tokens at a time (default: ~256 MB of fp32 working copy), so a capture batch at
-    Kimi-K2.5's
-    shape (64K tokens x 3 x 7168) needs a chunk's fp32 copies on the GPU, not two of the whole batch's 5.6
+    Kimi-K2.5's shape (64K tokens x 3 x 7168) needs a chunk's fp32 copies on the GPU, not two of the whole
+    batch's 5.6
     GB."""
     n, width = x.shape
     if width % groups:
@@ -230,8 +230,7 @@ class FeatureStore(FactsView):
                         self.root, name, array, f"{len(missing)} chunk file(s) missing ({missing[0]})"
                     )
             # the array handles, opened once: opening one parses its metadata (~1 ms, 20% of a loader's read
-            # time
-            # when it happened per read: scripts/bench/loader_read.py)
+            # time when it happened per read: scripts/bench/loader_read.py)
             self._groups[name] = {array: g[array] for array in arrays(self.facts)}
             self._offsets[name] = _read(self.root, name, g, "offsets", slice(None))
         return self._groups[name], self._offsets[name]

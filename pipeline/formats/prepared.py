@@ -46,8 +46,8 @@ def save(out: Path, rows: dict, stats: dict) -> None:
 
 def heldout_samples(run_dir: Path | str) -> list[int] | None:
     """The sample ids data=mix set aside (stats.json `heldout_samples`): train validates on exactly these,
-    never
-    trains on them. None: no prepared folder here (a feature store copied alone); [] (or the key absent, a set
+    never trains on them. None: no prepared folder here (a feature store copied alone); [] (or the key absent,
+    a set
     prepared before data=mix existed): none set aside, train holds out train.val_fraction by sample."""
     path = folder(run_dir) / STATS
     if not path.is_file():

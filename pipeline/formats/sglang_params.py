@@ -85,8 +85,8 @@ def sglang_mla_load_report(tensors: dict[str, torch.Tensor], table: dict[str, tu
     """Replay Eagle3DeepseekV2ForCausalLM.load_weights' name handling (sglang 0.5.17/0.5.23): `layers.0.` ->
     `midlayer.`, `model.` before all but lm_head; gate/up stacked into gate_up_proj; q_a_proj and
     kv_a_proj_with_mqa held until BOTH have come, then concatenated into fused_qkv_a_proj_with_mqa (one
-    without
-    the other is never written, and nothing says so); any other unknown name skipped with a log warning
+    without the other is never written, and nothing says so); any other unknown name skipped with a log
+    warning
     only."""
     import re
 

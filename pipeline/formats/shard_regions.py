@@ -1,16 +1,12 @@
 """One shard written by several processes: its host buffers live in POSIX shared memory, and each writer
-process
-encodes and writes a chunk-aligned token range of an array (zarr writes disjoint chunks independently).
+process encodes and writes a chunk-aligned token range of an array (zarr writes disjoint chunks
+independently).
 
 Why processes: on the H200 two or four commit threads made extract slower than one. What processes give,
-measured
-there (docs/feature_store.md, writing protocol 5): 1.6x into /dev/shm, nothing on that VM's disk, whose limit
-lies
-outside any one process; on a 2-core CPU one process already keeps 1.3-1.6 cores busy. The format is
-unchanged:
-the chunks are byte for byte those one process writes. Pure: numpy and zarr only, no torch (the writer
-processes import this
-module alone).
+measured there (docs/feature_store.md, writing protocol 5): 1.6x into /dev/shm, nothing on that VM's disk,
+whose limit lies outside any one process; on a 2-core CPU one process already keeps 1.3-1.6 cores busy. The
+format is unchanged: the chunks are byte for byte those one process writes. Pure: numpy and zarr only, no
+torch (the writer processes import this module alone).
 """
 
 from __future__ import annotations

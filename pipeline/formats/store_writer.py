@@ -118,10 +118,8 @@ WRITERS = (
 
 def write_with_tensorstore(group_dir: Path, buffers: dict[str, np.ndarray]) -> None:
     """Every array of `buffers` into the zarr v3 array of that name under `group_dir` (created by zarr-python
-    with
-    its codecs and attributes): tensorstore encodes the chunks (blosc, crc32c) and writes their files on its
-    own
-    threads, all arrays at once, outside the GIL. An all-zero chunk is written too (a missing file is
+    with its codecs and attributes): tensorstore encodes the chunks (blosc, crc32c) and writes their files on
+    its own threads, all arrays at once, outside the GIL. An all-zero chunk is written too (a missing file is
     damage)."""
     try:
         import tensorstore as ts
@@ -193,8 +191,7 @@ class ShardWriter:
         self.chunk, self.compressors = max(1, min(chunk_tokens, total)), make_compressors(compressor, clevel)
         self.fp8 = store_dtype(facts) == FP8
         # fp8 bytes have no planes for bit-shuffle to separate; entropy-coded as bytes they shrink to 0.85,
-        # with
-        # lz4 + bit-shuffle to 0.99 (SmolLM2 states, docs/feature_store.md): zstd without shuffle, unless
+        # with lz4 + bit-shuffle to 0.99 (SmolLM2 states, docs/feature_store.md): zstd without shuffle, unless
         # `none`
         self.fp8_compressors = (
             self.compressors

@@ -1,20 +1,17 @@
 """Build the EAGLE-3 draft: speculators' Eagle3DraftModel (public API) shaped from the target.
 
 One decoder layer, fc: n_aux*H -> H, draft vocabulary from run_dir/vocab, aux layer ids from the feature
-store's
-facts (there is no config key for them here). Embeddings and the verifier lm_head/norm come from the target
-through speculators' `load_verifier_weights`, which also initialises the draft lm_head from the target's rows.
-The layer (`train.draft_arch`, export_layouts.DRAFT_ARCHS):
+store's facts (there is no config key for them here). Embeddings and the verifier lm_head/norm come from the
+target through speculators' `load_verifier_weights`, which also initialises the draft lm_head from the
+target's rows. The layer (`train.draft_arch`, export_layouts.DRAFT_ARCHS):
 - `llama`: speculators' own Llama layer (SGLang's LlamaForCausalLMEagle3 layout), whatever the target's
 family.
 - `mla`: DeepSeek-V2/V3 multi-latent attention with the target's MLA shapes (SGLang's
 Eagle3DeepseekV2ForCausalLM
   layout, published Kimi-K2.5 drafts): speculators has no MLA draft, so `_mla_components` adds one to its
-  layer
-  registry in the style of its Llama layer (its Eagle3FirstLayerMixin over transformers'
-  DeepseekV3DecoderLayer,
-  the two down projections widened to the 2H input); the rest of Eagle3DraftModel (TTT unroll, masks, loss) is
-  speculators' own.
+  layer registry in the style of its Llama layer (its Eagle3FirstLayerMixin over transformers'
+  DeepseekV3DecoderLayer, the two down projections widened to the 2H input); the rest of Eagle3DraftModel (TTT
+  unroll, masks, loss) is speculators' own.
 """
 
 from __future__ import annotations
@@ -29,8 +26,8 @@ from pipeline.formats import export_layouts as lay
 
 # train.attn_implementation: the draft layer's attention as speculators runs it. sdpa and eager take dense TTT
 # masks; simple_flex_attention (speculators' own default) takes block masks and skips the masked blocks:
-# 1.8-2.8x
-# the step of an 8B-shaped draft on an H200 (docs/scale.md), GPU only (FlexAttention has no CPU backward)
+# 1.8-2.8x the step of an 8B-shaped draft on an H200 (docs/scale.md), GPU only (FlexAttention has no CPU
+# backward)
 ATTENTION = ("sdpa", "eager", "simple_flex_attention")
 
 
@@ -41,9 +38,8 @@ def layer_config(target_hf, attn: str, overrides: dict | None = None, arch: str 
     t = target_hf
     heads = t.num_attention_heads
     # An MLA target (DeepSeek-V2/V3, Kimi-K2.x: kv_lora_rank set) has no single head size; HF's
-    # DeepseekV3Config
-    # calls its rope part `head_dim` (64 for Kimi). The draft's plain attention takes the value head size (128
-    # for Kimi-K2.5, as conf/target/kimi_k25.yaml declares).
+    # DeepseekV3Config calls its rope part `head_dim` (64 for Kimi). The draft's plain attention takes the
+    # value head size (128 for Kimi-K2.5, as conf/target/kimi_k25.yaml declares).
     head_dim = (
         t.v_head_dim
         if getattr(t, "kv_lora_rank", None)

@@ -1,6 +1,5 @@
 """FSDP2 for the draft (`train.strategy=fsdp`): full-shard every parameter over the ranks, checkpoint the
-shards
-with torch.distributed.checkpoint, gather the full weights once for train/final/.
+shards with torch.distributed.checkpoint, gather the full weights once for train/final/.
 
 accelerate 1.15 cannot do this on CPU (its FSDP switch exists only for GPU distributed types; with `--cpu` the
 plugin is silently dropped and the model is wrapped in DDP), and its `save_state` cannot write DTensor

@@ -1,16 +1,14 @@
 """A memory-lean KL loss for the draft (`train.loss_chunk_tokens`, issue #14): the same per-position
 KL(target || draft) as speculators' eager `kl_div_loss`, computed over chunks of positions, keeping nothing
-but
-its inputs for the backward.
+but its inputs for the backward.
 
 speculators' eager loss keeps, for every TTT step, the fp32 log-softmax of the draft logits and the fp32
-softmax
-of the target logits: 2 x [T, draft vocab] x 4 bytes per step (13.7 GiB of a Kimi-K2.5 draft's 55.6 GiB of
-activations at 8K packs and TTT 7, `eaglepipe plan`). This one keeps the draft logits as they are (bf16 under
-autocast) and a view of the target logits (computed once per forward), and recomputes both softmaxes per chunk
-in the backward: d KL / d logits = softmax(logits) - softmax(targets), times the position's incoming gradient.
-Plugged in through speculators' own loss config (`{"kl_div": (fn, weight)}`): its reduction, TTT weighting and
-metrics are unchanged. tests/unit/test_losses.py holds loss and gradients to the eager ones.
+softmax of the target logits: 2 x [T, draft vocab] x 4 bytes per step (13.7 GiB of a Kimi-K2.5 draft's 55.6
+GiB of activations at 8K packs and TTT 7, `eaglepipe plan`). This one keeps the draft logits as they are (bf16
+under autocast) and a view of the target logits (computed once per forward), and recomputes both softmaxes per
+chunk in the backward: d KL / d logits = softmax(logits) - softmax(targets), times the position's incoming
+gradient. Plugged in through speculators' own loss config (`{"kl_div": (fn, weight)}`): its reduction, TTT
+weighting and metrics are unchanged. tests/unit/test_losses.py holds loss and gradients to the eager ones.
 """
 
 from __future__ import annotations
@@ -73,7 +71,7 @@ def never_compiled(fn):
     stopped
     at its first step), so it runs eagerly inside the compiled forward, as speculators' own attention does.
     Without CUDA nothing is compiled and fn stays as it is: torch.compiler.disable imports dynamo, and with
-    dynamo
-    imported two gloo ranks of DDP on CPU hung in the process group's destructor at exit (tests/integration/
+    dynamo imported two gloo ranks of DDP on CPU hung in the process group's destructor at exit
+    (tests/integration/
     test_ranks.py)."""
     return torch.compiler.disable(fn) if torch.cuda.is_available() else fn

@@ -44,10 +44,9 @@ TINY_SPEC = dict(
     tokenizer_conversations=1500,
 )
 # Kimi-K2.5's text config (DeepSeek-V3 architecture, 61 layers, hidden 7168), cut down: one expert group,
-# top-k
-# over it, as Kimi-K2's config.json. The keys SGLang's DeepseekV2ForCausalLM reads that HF's DeepseekV3Config
-# has no field for (topk_method, scoring_func, moe_layer_freq, ...) are set as Kimi-K2's config.json sets
-# them.
+# top-k over it, as Kimi-K2's config.json. The keys SGLang's DeepseekV2ForCausalLM reads that HF's
+# DeepseekV3Config has no field for (topk_method, scoring_func, moe_layer_freq, ...) are set as Kimi-K2's
+# config.json sets them.
 KIMI_TINY_SPEC = dict(
     vocab_size=1024,
     hidden_size=128,

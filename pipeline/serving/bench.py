@@ -11,15 +11,12 @@ serves the draft, greedy, and reads the engine's acceptance counters:
 
 The firm bench (`firm_bench`, docs/serving.md): `eval.warmup_prompts` requests to each server first (not
 counted), then per concurrency of `eval.concurrency`, `eval.repeats` passes over every prompt, the two
-servers'
-passes interleaved (speculative, baseline, speculative, ...) so drift hits both; per concurrency each pass's
-tokens/s, the median and spread ((max - min) / median) of each server's tokens/s and of the paired speedup.
-Before
-any request it refuses, one line each, what is not like for like: a speculative endpoint that does not
-speculate,
-a baseline that does, two servers of different targets. A server that stops answering mid-bench ends it: the
-passes measured before are kept (`error` says which server, where), no speedup is recorded.
-Writes run_dir/eval/online.json.
+servers' passes interleaved (speculative, baseline, speculative, ...) so drift hits both; per concurrency each
+pass's tokens/s, the median and spread ((max - min) / median) of each server's tokens/s and of the paired
+speedup. Before any request it refuses, one line each, what is not like for like: a speculative endpoint that
+does not speculate, a baseline that does, two servers of different targets. A server that stops answering
+mid-bench ends it: the passes measured before are kept (`error` says which server, where), no speedup is
+recorded. Writes run_dir/eval/online.json.
 """
 
 from __future__ import annotations

@@ -1,10 +1,8 @@
 """HTTP clients for many threads talking to one server: one httpx.Client per thread.
 
 One client shared by hundreds of threads serialises them on its connection pool: on the H200 a regeneration
-asking
-512 requests of SGLang kept 1-10 running most of the time (BENCHMARKS.md, "Ten times the data"), and a local
-test
-server saw 34 of 512 in flight on average against 139 with a client per thread
+asking 512 requests of SGLang kept 1-10 running most of the time (BENCHMARKS.md, "Ten times the data"), and a
+local test server saw 34 of 512 in flight on average against 139 with a client per thread
 (scripts/bench/regenerate_client.py, removed since: `git show a80273c:scripts/bench/regenerate_client.py`).
 Regeneration and the online bench both send through this.
 """

@@ -15,9 +15,8 @@ VLLM_COUNTERS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
 
 
 # what an SGLang server says it runs (/get_server_info): recorded beside each bench, so a speedup is read
-# against
-# the settings that made it (CUDA graphs off cost a 135M target 10x on the H200: BENCHMARKS.md, SGLang for
-# real)
+# against the settings that made it (CUDA graphs off cost a 135M target 10x on the H200: BENCHMARKS.md, SGLang
+# for real)
 SGLANG_FACTS = (
     "version",
     "model_path",

@@ -3,8 +3,7 @@
 `serve_command` builds the line export writes into serve.sh (from the export's target path and the serve
 settings: num_steps, topk, num_draft_tokens, sglang_args, vllm_args); `write_serve` writes serve.sh and, when
 the folder has one, export_manifest.json's `serve` (the settings and how they were chosen: `{"by": "config"}`
-at
-export, `{"by": "measurement", "table": ...}` from `eaglepipe tune-serve`). Export and tune-serve both call
+at export, `{"by": "measurement", "table": ...}` from `eaglepipe tune-serve`). Export and tune-serve both call
 it.
 """
 

@@ -6,15 +6,12 @@
         ...  # url = "http://127.0.0.1:<port>", answering /health
 
 The launch line is built for the target's HF folder (SGLang's `sglang.launch_server`, vLLM's OpenAI
-api_server)
-or taken as given (`engine=command`: any OpenAI-compatible server, the external boundary the tests cross with
-a
-small HTTP server script). Its life is pipeline/serving/server.py's, as tune-serve's servers: its own session
-(process group), output to `log_path`, ready when GET /health answers 200 (a server that exits first, or is
-not
-ready within `startup_timeout_s`, is one line with its log's last lines). On every way out of the block
-(normal,
-exception, Ctrl-C, SIGTERM) exactly that process group is stopped: SIGTERM, then SIGKILL after a grace time.
+api_server) or taken as given (`engine=command`: any OpenAI-compatible server, the external boundary the tests
+cross with a small HTTP server script). Its life is pipeline/serving/server.py's, as tune-serve's servers: its
+own session (process group), output to `log_path`, ready when GET /health answers 200 (a server that exits
+first, or is not ready within `startup_timeout_s`, is one line with its log's last lines). On every way out of
+the block (normal, exception, Ctrl-C, SIGTERM) exactly that process group is stopped: SIGTERM, then SIGKILL
+after a grace time.
 """
 
 from __future__ import annotations
@@ -46,8 +43,7 @@ def launch_line(
     answers 404 to any other, so the server is told to answer to it. `concurrency`: the requests prepare
     keeps in
     flight; SGLang captures decode CUDA graphs up to that batch (unless `args` says otherwise): on the H200
-    its
-    default stopped short of 512 running requests, whose decode then ran without graphs at 17.9K tokens/s,
+    its default stopped short of 512 running requests, whose decode then ran without graphs at 17.9K tokens/s,
     against
     64.7K at 150 with them (2026-12-03, server log)."""
     engine = sc.engine.value if hasattr(sc.engine, "value") else str(sc.engine)

@@ -1,15 +1,12 @@
 """The speculative settings chosen by measurement (`eaglepipe tune-serve`, docs/serving.md).
 
 Every candidate of the grid (num_steps x topk x num_draft_tokens x attention backend x CUDA-graph max batch)
-is
-started from the export's own launch line (pipeline/serving/launch.py) with its settings, as its own process
-group, waited for, run through the firm bench (pipeline/serving/bench.py: warm-up, repeats interleaved
-with
-one baseline server, median and spread per concurrency) and stopped. The winner is the candidate with the
+is started from the export's own launch line (pipeline/serving/launch.py) with its settings, as its own
+process group, waited for, run through the firm bench (pipeline/serving/bench.py: warm-up, repeats interleaved
+with one baseline server, median and spread per concurrency) and stopped. The winner is the candidate with the
 highest median speculative tokens/s at the objective concurrency among those whose bench completed like for
-like;
-a candidate that fails to start, is refused, runs other settings than asked, or dies mid-bench is in the table
-with its reason and never chosen.
+like; a candidate that fails to start, is refused, runs other settings than asked, or dies mid-bench is in the
+table with its reason and never chosen.
 """
 
 from __future__ import annotations

@@ -1,9 +1,7 @@
 """Stage `evaluate`: how many tokens the exported draft gets accepted, per prompt set (`eval.sets`): the
-prompts
-train held out (`heldout`, written to eval/), and standard sets from PyPI wheels (mt_bench, humaneval:
+prompts train held out (`heldout`, written to eval/), and standard sets from PyPI wheels (mt_bench, humaneval:
 pipeline/data/prompt_sets.py; each written to eval/<set>/, with one table over the sets in eval/sets.json;
-online
-in eval/sets_online.json).
+online in eval/sets_online.json).
 
 Two benches, one entry shape (`measure(cfg, store, prompts, out)`):
 - offline (default, no server): pipeline/acceptance/offline.py, greedy chain speculative decoding with the
@@ -114,9 +112,8 @@ def _sets_table(cfg) -> None:
     """A log table and its JSON, one row per prompt set. Offline (eval/sets.json): tau of the trained draft
     per
     draft length. Online (eval.endpoint, eval/sets_online.json, so the offline table stays): the server's
-    accept
-    length and, with a baseline server, the speedup (SpecBundle's shape: one accept length per benchmark at
-    the
+    accept length and, with a baseline server, the speedup (SpecBundle's shape: one accept length per
+    benchmark at the
     server's own steps / topk / draft tokens)."""
     rows = {}
     if cfg.eval.endpoint:

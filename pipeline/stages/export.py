@@ -3,8 +3,8 @@
 run_dir/export/<engine>/: config.json, model.safetensors (bf16 weights, d2t int64, t2d bool), serve.sh,
 export_manifest.json (what produced it, aux ids in eaglepipe and engine numbering, tensor std/norm table).
 Every export is verified before it is published (pipeline/engines/verify.py: engine-free checks, then the
-engine's
-own class and loader unless export.verify_in_engine=false); `eaglepipe verify` repeats that on any export.
+engine's own class and loader unless export.verify_in_engine=false); `eaglepipe verify` repeats that on any
+export.
 """
 
 from __future__ import annotations

@@ -4,10 +4,9 @@
     train.strategy=fsdp
 
 The draft is built on the meta device at the target's declared shape (conf/target/*.yaml; no weights, no
-memory)
-for its parameter counts; pipeline/models/memory.py adds up parameters, gradients, AdamW, DDP buckets or FSDP
-shards, the batch and the TTT activations (docs/scale.md: what each term is and how it was checked). Prints a
-table per part, the peak, and whether it fits `plan.gpu_memory_gib`; writes nothing.
+memory) for its parameter counts; pipeline/models/memory.py adds up parameters, gradients, AdamW, DDP buckets
+or FSDP shards, the batch and the TTT activations (docs/scale.md: what each term is and how it was checked).
+Prints a table per part, the peak, and whether it fits `plan.gpu_memory_gib`; writes nothing.
 """
 
 from __future__ import annotations
@@ -68,8 +67,7 @@ def compute(cfg) -> dict:
     if features.online(cfg):  # the target in extract's dtype, auto = bf16 on GPU
         beside[ONLINE_TARGET] = (4 if cfg.extract.dtype in ("fp32", "float32") else 2) * target_params
     # the probe's target is fp32 on eval.device: auto = the device a planned run trains on (plan.precision
-    # bf16: a
-    # GPU, where it counts; fp32: the CPU, whose memory this plan does not model)
+    # bf16: a GPU, where it counts; fp32: the CPU, whose memory this plan does not model)
     on_gpu = cfg.eval.device not in ("cpu", "auto") or (cfg.eval.device == "auto" and p.precision == "bf16")
     if cfg.train.eval_tau_every_steps and on_gpu:
         beside[PROBE_TARGET] = 4 * target_params

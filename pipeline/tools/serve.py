@@ -1,9 +1,8 @@
 """`eaglepipe serve [engine=sglang|vllm] [run_dir=...]`: print the launch command of each export.
 
 The command itself is written at export time (pipeline/serving/launch.py -> export/<engine>/serve.sh), from
-the
-export's own target path and export.serve (`eaglepipe tune-serve` rewrites it with measured settings); this
-prints it, so what is printed is what was verified.
+the export's own target path and export.serve (`eaglepipe tune-serve` rewrites it with measured settings);
+this prints it, so what is printed is what was verified.
 """
 
 from __future__ import annotations

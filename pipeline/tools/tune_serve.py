@@ -4,13 +4,11 @@ the export's speculative settings chosen by measurement on this machine's own se
 
 Sweeps tune.grid on the SGLang export (pipeline/serving/sweep.py): each candidate started from the export's
 launch line with its settings, the firm bench of eval.* against one baseline server (started once from
-serve.sh
-without the speculative flags, or tune.baseline_endpoint), the fastest valid one by median tokens/s at
-tune.objective_concurrency. Writes run_dir/tune/serve_sweep.json (the table it chose from; servers' logs
-beside
-it) and rewrites the export's serve.sh and export_manifest.json's `serve` (chosen_by: measurement, the table's
-path) through the writer export uses (pipeline/serving/launch.py). A later stage=export that runs again writes
-export.serve's settings back: put the winner there (the log prints the overrides).
+serve.sh without the speculative flags, or tune.baseline_endpoint), the fastest valid one by median tokens/s
+at tune.objective_concurrency. Writes run_dir/tune/serve_sweep.json (the table it chose from; servers' logs
+beside it) and rewrites the export's serve.sh and export_manifest.json's `serve` (chosen_by: measurement, the
+table's path) through the writer export uses (pipeline/serving/launch.py). A later stage=export that runs
+again writes export.serve's settings back: put the winner there (the log prints the overrides).
 """
 
 from __future__ import annotations

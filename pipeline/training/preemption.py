@@ -14,8 +14,7 @@ log = logging.getLogger(__name__)
 class Preemption:
     """A job under submitit (hydra/launcher=slurm|local): SLURM's warning signal before a time limit or a
     preemption (SIGUSR2, or SUBMITIT_PREEMPT_SIGNAL) only sets a flag here; the loop writes a checkpoint at
-    the
-    next optimizer step and then hands the signal to submitit's own handler, which requeues the job (same
+    the next optimizer step and then hands the signal to submitit's own handler, which requeues the job (same
     overrides, same run dir) and exits; the requeued job resumes from that checkpoint. Outside submitit
     nothing is installed. On several ranks the flag is agreed on (a max over ranks) once per optimizer
     step."""

@@ -22,8 +22,8 @@ log = logging.getLogger(__name__)
 def end(s: Session) -> None:
     """Tear the ranks down together. Every rank waits for rank 0's final save, then drops its DDP model (the
     Reducer holds the gloo process group: released after a peer has exited, its destructor joined a worker
-    that
-    waited on that peer for ever: 3 of 8 two-rank resumes on a loaded 2-core machine, test_ranks), then the
+    that waited on that peer for ever: 3 of 8 two-rank resumes on a loaded 2-core machine, test_ranks), then
+    the
     process group goes."""
     import gc
 

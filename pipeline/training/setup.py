@@ -254,9 +254,8 @@ def setup(cfg) -> tuple[Session, Plan]:
 
 def rank_share(packs: list, done: int, rank: int, world: int, grad_accum: int) -> list:
     """This rank's packs of an epoch from global position `done` on: the rest dealt round-robin over the
-    ranks,
-    each share cut to whole optimizer steps (the tail that does not fill one step on every rank is dropped).
-    A checkpoint records `done`, so it resumes on any number of ranks over exactly the packs not yet
+    ranks, each share cut to whole optimizer steps (the tail that does not fill one step on every rank is
+    dropped). A checkpoint records `done`, so it resumes on any number of ranks over exactly the packs not yet
     trained."""
     share = shard_for_rank(packs[done:], rank, world)
     return share[: len(share) - len(share) % grad_accum]

@@ -32,12 +32,10 @@ def test_hf_and_sglang_capture_the_same_layers(make_cfg, tmp_path):
     report = json.loads((tmp_path / "parity" / "parity.json").read_text())
     assert report["samples"] == 32 and len(report["layers"]) == 4
     # Bounds calibrated on the H200 (2026-12-01, SGLang 0.5.17 triton attention vs HF sdpa, both bf16;
-    # BENCHMARKS.md
-    # "Capture through SGLang"): over 500 samples the worst layer had mean 0.0216 and max 0.233 (aux layer 14,
-    # a few tokens), over these 32 samples every max stayed under 0.15. Bounds: 1.6x the 500-sample mean and
-    # 1.5x
-    # its max. That much is bf16 noise (another attention kernel and matmul tiling, compounding over 30
-    # layers);
-    # a layer-numbering slip gives errors of order 1 everywhere (tests/integration/test_sglang_capture.py).
+    # BENCHMARKS.md "Capture through SGLang"): over 500 samples the worst layer had mean 0.0216 and max 0.233
+    # (aux layer 14, a few tokens), over these 32 samples every max stayed under 0.15. Bounds: 1.6x the
+    # 500-sample mean and 1.5x its max. That much is bf16 noise (another attention kernel and matmul tiling,
+    # compounding over 30 layers); a layer-numbering slip gives errors of order 1 everywhere
+    # (tests/integration/test_sglang_capture.py).
     for name, r in report["layers"].items():
         assert r["mean_rel_err"] < 0.035 and r["max_rel_err"] < 0.35, (name, r)

@@ -105,8 +105,7 @@ def test_batched_speculation_is_the_serial_reference_row_by_row(evaluated):
             accepted += sum(rounds)
     assert accepted > 0
     # several draft lengths in one batch (evaluate runs every k of a chunk at once): each row is still the
-    # serial
-    # reference at its own k; a shorter row's extra proposals and verify slots change nothing
+    # serial reference at its own k; a shorter row's extra proposals and verify slots change nothing
     m = len(prompts)  # up to 6: the report half of the held-out samples (prompt_sets.selection_and_report)
     ks = [1, 3, 2, 3, 1, 2, 2, 1, 3, 1, 2, 3][: 2 * m]
     rows = batched.speculate(model, capture, dr, prompts + prompts, n, ks, eos)
@@ -120,9 +119,8 @@ def test_batched_speculation_is_the_serial_reference_row_by_row(evaluated):
 def test_k1_speculation_asks_the_teacher_forced_questions_at_the_round_starts(evaluated):
     """Step-0 accuracy teacher-forced along the target's continuation (what training's acc_0 measures) and the
     first-position acceptance at k = 1 are one question at different positions: each k = 1 round's
-    accept/reject
-    is the teacher-forced hit at the position where the round starts (the next round starts 2 tokens on after
-    an
+    accept/reject is the teacher-forced hit at the position where the round starts (the next round starts 2
+    tokens on after an
     accept, 1 after a reject). acceptance.json reports both."""
     import torch
 

@@ -1,9 +1,8 @@
 """Data-parallel capture (issue #15 item 4): `torchrun --nproc-per-node 2 -m pipeline stage=extract` (hf
-backend)
-has rank r capture and commit the shards r, r+2, ... of those not yet committed; the manifest stays consistent
-under concurrent commits (a lock around its read-modify-replace). The store is byte-identical to the one
-process
-writes, and so is the store after one rank is killed with SIGKILL mid-shard and the same command is run again.
+backend) has rank r capture and commit the shards r, r+2, ... of those not yet committed; the manifest stays
+consistent under concurrent commits (a lock around its read-modify-replace). The store is byte-identical to
+the one process writes, and so is the store after one rank is killed with SIGKILL mid-shard and the same
+command is run again.
 
 Every run is a subprocess with one torch thread (torchrun's default per rank), so the arithmetic is the
 same."""

@@ -1,13 +1,12 @@
 """Fault injection (#12 item 6): SIGKILL at seeded random points of prepare, extract, train and export, then
-the
-same command again: every stage's output equals an uninterrupted run's, byte for byte (content, not timings).
+the same command again: every stage's output equals an uninterrupted run's, byte for byte (content, not
+timings).
 
 Each kill point is drawn uniformly over the stage's own wall time in the reference run (process start
-included,
-so some kills land in start-up, some mid-work, some while committing). The whole process group is killed, as a
-cluster scheduler does. EAGLEPIPE_FAULT_POINTS sets the points per stage: 1 in CI (the time budget), 20 for
-the issue's full run: `EAGLEPIPE_FAULT_POINTS=20 pytest tests/integration/test_faults.py`.
-The last test lets the regeneration server die mid-way through prepare (`prepare.regenerate_endpoint`).
+included, so some kills land in start-up, some mid-work, some while committing). The whole process group is
+killed, as a cluster scheduler does. EAGLEPIPE_FAULT_POINTS sets the points per stage: 1 in CI (the time
+budget), 20 for the issue's full run: `EAGLEPIPE_FAULT_POINTS=20 pytest tests/integration/test_faults.py`. The
+last test lets the regeneration server die mid-way through prepare (`prepare.regenerate_endpoint`).
 """
 
 import hashlib

@@ -1,8 +1,7 @@
 """Kimi-K2.5's own architecture family end to end, small (issue #13): `target=kimi_tiny` (a random-init
 DeepseekV3ForCausalLM: MLA attention, MoE with a shared expert, the first layer dense) through every stage on
 CPU with the hf capture backend, with the Llama-layout draft (both exports verified through SGLang's and
-vLLM's
-own classes) and with the MLA draft (`train.draft_arch=mla`, verified through SGLang's own
+vLLM's own classes) and with the MLA draft (`train.draft_arch=mla`, verified through SGLang's own
 Eagle3DeepseekV2ForCausalLM); SGLang's DeepSeek-V3 class asked which layers it captures for the exported ids.
 
 Aux layers [2, 3, 5] on purpose: SGLang's DeepSeek classes read ids whose first element is not 1 as "capture

@@ -3,11 +3,9 @@
 included).
 
 One 2-job sweep (`--multirun train.log_every_steps=1,2`, which changes what is logged, not the weights): each
-job
-trains in its own run dir (${run_dir}/N). Job 0 gets SLURM's warning signal (SIGUSR2) mid-run, as SLURM sends
-it
-before a time limit or a preemption: it writes a checkpoint at the next optimizer step, submitit requeues it,
-and
+job trains in its own run dir (${run_dir}/N). Job 0 gets SLURM's warning signal (SIGUSR2) mid-run, as SLURM
+sends it before a time limit or a preemption: it writes a checkpoint at the next optimizer step, submitit
+requeues it, and
 the requeued job resumes from that checkpoint. Its final weights equal job 1's, which ran uninterrupted."""
 
 import json

@@ -266,9 +266,8 @@ def test_a_dead_baseline_is_one_line_naming_it_and_no_speedup(exported_run, make
 
 def test_online_accept_length_per_prompt_set_in_one_table(exported_run, make_cfg, serve):
     """eval.endpoint with eval.sets: one online.json per set and one table (eval/sets_online.json) of the
-    server's
-    accept length and speedup per set, the offline table (eval/sets.json) left as it was; mt_bench_turn2's
-    first
+    server's accept length and speedup per set, the offline table (eval/sets.json) left as it was;
+    mt_bench_turn2's first
     answers come from the server itself."""
     run_dir, _ = exported_run
     offline_table = run_dir / "eval" / "sets.json"

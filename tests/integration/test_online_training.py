@@ -1,6 +1,5 @@
 """train.features=online (issue #16 item 1): the training job runs the frozen target on each pack with
-extract's
-capture code and trains exactly as from the feature store; no features/ is written; resume is exact.
+extract's capture code and trains exactly as from the feature store; no features/ is written; resume is exact.
 
 One prepared set (tiny, fp32 on CPU), trained twice over the same packs: offline (extract -> vocab -> train)
 and

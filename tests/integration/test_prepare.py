@@ -94,8 +94,7 @@ def test_truncation_drops_samples_left_without_supervision_and_counts_them(make_
 
 def test_regenerate_locally_replaces_assistant_turns_with_target_output(make_cfg, tmp_path):
     """Every conversation's first reply is the target's own greedy answer to it (transformers' generate, one
-    prompt
-    at a time, as the independent reference), also when the prompts are batched longest first across
+    prompt at a time, as the independent reference), also when the prompts are batched longest first across
     batches."""
     cfg = make_cfg(
         "target=tiny",

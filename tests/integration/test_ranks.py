@@ -1,8 +1,7 @@
 """Training on several processes (issue #15): `accelerate launch --cpu --num_processes 2` really starts 2
-ranks
-(accelerate's --cpu alone starts one: eaglepipe relaunches through torch.distributed.run, gloo); 2 ranks x 1
-pack per step equal 1 rank x grad_accum 2 on the same packs; a checkpoint resumes on the other number of ranks
-over exactly the packs not yet trained (its data position is global), ending at the same weights.
+ranks (accelerate's --cpu alone starts one: eaglepipe relaunches through torch.distributed.run, gloo); 2 ranks
+x 1 pack per step equal 1 rank x grad_accum 2 on the same packs; a checkpoint resumes on the other number of
+ranks over exactly the packs not yet trained (its data position is global), ending at the same weights.
 
 FSDP (train.strategy=fsdp: FSDP2 full shard, DCP checkpoints) trains to DDP's weights and resumes exactly.
 

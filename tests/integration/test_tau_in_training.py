@@ -1,6 +1,5 @@
 """tau during training (issue #17 item 1): `train.eval_tau_every_steps` logs the tau of the draft as the
-export
-would serve it; `train.select=tau` exports the step with the highest logged tau (at k =
+export would serve it; `train.select=tau` exports the step with the highest logged tau (at k =
 export.serve.num_steps),
 and says so; the tau logged at that step is the tau evaluate measures on the export."""
 

@@ -113,8 +113,8 @@ def test_train_pad_packs_null_hashes_as_the_earlier_default(make_cfg, tmp_path):
 
 def test_adam_betas_at_the_value_before_the_knob_hashes_as_before_it_existed(make_cfg):
     """train.adam_betas came after runs were trained with AdamW (0.9, 0.95) hard-coded: at that value it is
-    not
-    hashed, so those runs stay up to date. The default is torch's (0.9, 0.999) now: a default run is another
+    not hashed, so those runs stay up to date. The default is torch's (0.9, 0.999) now: a default run is
+    another
     run."""
     t = make_cfg("+experiment=tiny", "train.adam_betas=[0.9,0.95]").train
     assert "adam_betas" not in setup.shaping_of(t, setup.NOT_SHAPING)

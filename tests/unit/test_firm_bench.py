@@ -1,7 +1,6 @@
 """The firm online bench (pipeline/serving/bench.py firm_bench) against SGLang-like test servers in
-threads
-(tests/sglang_like_server.py: the true external boundary): warm-up excluded, repeats interleaved between the
-two
+threads (tests/sglang_like_server.py: the true external boundary): warm-up excluded, repeats interleaved
+between the two
 servers, median and spread per concurrency, and the refusals of what is not like for like."""
 
 import json

@@ -1,6 +1,6 @@
 """The leak check (pipeline/data/leaks.py): MT-bench and HumanEval prompts, read from their wheels, never in
-the
-training data: exact and near matches are found, counted per source, and fail / drop / allow as data.on_leak
+the training data: exact and near matches are found, counted per source, and fail / drop / allow as
+data.on_leak
 says."""
 
 import pytest

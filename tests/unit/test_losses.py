@@ -101,9 +101,8 @@ def test_the_chunked_loss_keeps_less_and_the_memory_model_says_how_much():
 def test_the_chunked_loss_is_never_traced_by_dynamo(monkeypatch):
     """speculators compiles the draft's forward on CUDA; torch 2.11's dynamo fails tracing the chunked loss's
     autograd.Function (it stopped every GPU training run at step 1), so there the loss speculators gets must
-    be a
-    graph break that runs eagerly: dynamo's own account of a compiled caller shows the break at it, and the
-    value
+    be a graph break that runs eagerly: dynamo's own account of a compiled caller shows the break at it, and
+    the value
     is the eager one. Without CUDA the function is left as it is (nothing compiles it)."""
     import torch._dynamo
 

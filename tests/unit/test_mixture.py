@@ -119,8 +119,7 @@ def test_heldout_comes_first_and_is_the_same_for_any_limit_seed_or_order(files):
             held(source(files[0], "a", heldout=3, limit=1), source(files[1], "b", heldout=2), **kw)[0] == base
         )
     # the sources' held-out conversations are interleaved (by hash), not one source's block then the next's:
-    # the
-    # tau probe and evaluate each take the first of their half of them
+    # the tau probe and evaluate each take the first of their half of them
     convs, problems = load_conversations(
         mix(source(files[0], "a", heldout=5), source(files[1], "b", heldout=5))
     )

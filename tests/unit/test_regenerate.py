@@ -267,11 +267,9 @@ def test_a_prompt_of_max_len_tokens_or_more_is_never_sent_and_its_conversation_i
     run, tiny_folder
 ):
     """A turn whose prompt holds >= prepare.max_len tokens would never be trained on (samples are cut there),
-    and a
-    server refuses one longer than its context (HTTP 400 on the H200): the conversation is cut before it, or
-    dropped
-    when nothing is left, and counted; the server never sees such a prompt, also on a later turn whose prompt
-    grew
+    and a server refuses one longer than its context (HTTP 400 on the H200): the conversation is cut before
+    it, or dropped when nothing is left, and counted; the server never sees such a prompt, also on a later
+    turn whose prompt grew
     long only through the regenerated answers before it."""
     from transformers import AutoTokenizer
 

@@ -1,6 +1,6 @@
 """The server prepare starts (pipeline/serving/regenerate_server.py), on CPU: its launch line, readiness, and
-that
-exactly its process group is stopped on every way out. The "engine" is tests/openai_test_server.py run through
+that exactly its process group is stopped on every way out. The "engine" is tests/openai_test_server.py run
+through
 `engine=command` (the external boundary: any OpenAI-compatible server's launch line)."""
 
 import json

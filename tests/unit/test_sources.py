@@ -250,8 +250,7 @@ def test_sharegpt_without_a_path_reads_the_wheel_and_recovers_its_cut_file():
     ] == ["record 17671 (line 604515, its last 2987 characters)"]
     assert sum(problems.counts.values()) == 17671 + 1 - 17387
     # 6,358 pieces of V3's split start with the answer to a question they do not hold: those answers are
-    # removed;
-    # 136 of them held nothing else (17 records had no assistant turn at all)
+    # removed; 136 of them held nothing else (17 records had no assistant turn at all)
     assert problems.changed == {"leading assistant turns removed (no user turn before them)": 6358}
     assert all(c["messages"][0]["role"] in ("user", "system") for c in convs)
     assert problems.counts["empty conversation"] == 126 and problems.counts["no assistant turn"] == 17 + 136

@@ -57,8 +57,7 @@ def fakes(monkeypatch):
 
 def cfg_for(stage, run_dir, features="offline"):
     # the sections the runner's own cross-stage checks read (resume vs a rebuilt vocab, the held-out split,
-    # where
-    # the states come from)
+    # where the states come from)
     return OmegaConf.create(
         {
             "stage": stage,

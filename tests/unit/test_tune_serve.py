@@ -1,8 +1,7 @@
 """`eaglepipe tune-serve`: the sweep (pipeline/serving/sweep.py) starts each candidate as an SGLang-like test
 server script (tests/sglang_like_server.py, through tune.launch_prefix: the true external boundary) whose
-speed
-depends on its settings, and writes the fastest valid one into the export's serve.sh and manifest with the
-writer
+speed depends on its settings, and writes the fastest valid one into the export's serve.sh and manifest with
+the writer
 export uses."""
 
 import json

@@ -1,6 +1,6 @@
 """extract.writer=tensorstore (issue #32): the store it writes is the store zarr-python writes, byte for
-byte, read by
-plain zarr, resumable after a kill -9 in the middle of a shard, its damage caught by verify_store
+byte, read by plain zarr, resumable after a kill -9 in the middle of a shard, its damage caught by
+verify_store
 (check-store)."""
 
 import os
