@@ -5,13 +5,11 @@ train set aside, split into the half choices are made on and the half that is re
 
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 
 from pipeline.acceptance import offline as offline_bench
 from pipeline.data import prompt_sets
-from pipeline.data.features_dataset import split
 from pipeline.errors import UserError
 from pipeline.formats import train_summary
 from pipeline.formats.run_dir import RunDir
@@ -99,20 +97,16 @@ def heldout_prompts(cfg, store, n: int, prompt_tokens: int, half: str = "report"
     (prompt_sets.selection_and_report; `half="selection"`: the other one, where choices are made), up to their
     first supervised token, i.e. up to where the assistant starts answering; at most prompt_tokens long."""
     summary = train_summary.path(RunDir.of(cfg).final)
-    facts = json.loads(summary.read_text()) if summary.is_file() else {}
-    val = facts.get("val_samples")
-    if (facts.get("selected") or {}).get("by") == "tau" and "tau_probe_half" not in facts:
-        log.warning(
-            "evaluate: %s chose its checkpoint by tau on ALL held-out prompts (trained before the probe kept "
-            "to one half): the heldout tau below is measured on prompts the choice was made on and "
-            "overstates; retrain (train.resume=never) for a figure that does not",
-            summary.parent,
+    facts = train_summary.read(summary.parent)
+    if facts is None:
+        raise UserError(f"no {summary}: run stage=train first")
+    if "val_samples" not in facts or "tau_probe_half" not in facts:  # an older eaglepipe wrote it
+        raise UserError(
+            f"{summary} records no held-out split halves (an older eaglepipe trained this draft): "
+            "its heldout prompts cannot be told from those a checkpoint was chosen on; retrain "
+            "(train.resume=never)"
         )
-    if val is None:  # a draft trained before train recorded its split: the same seeded split, recomputed
-        log.warning(
-            "evaluate: %s records no val_samples; recomputing the split from train.val_fraction", summary
-        )
-        val = split(len(store), cfg.train.val_fraction, cfg.seed)[1].tolist()
+    val = facts["val_samples"]
     if not val:
         raise UserError(
             f"{summary.parent} was trained with no held-out samples (train.val_fraction=0): evaluate "

@@ -23,7 +23,7 @@ from pipeline import __version__
 from pipeline.capture import features
 from pipeline.engines import verify
 from pipeline.errors import UserError
-from pipeline.fingerprint import digest
+from pipeline.fingerprint import digest, shaping
 from pipeline.formats import export_layouts as lay
 from pipeline.formats import feature_store as fs
 from pipeline.formats import train_summary, vocab_map
@@ -42,8 +42,7 @@ def out_dir(cfg) -> Path:
 def fingerprint(cfg) -> str:
     summary = train_summary.path(RunDir.of(cfg).final)
     weights = RunDir.of(cfg).final / "model.safetensors"
-    # empty extra-flag lists leave the fingerprint of exports made before they existed unchanged
-    serve = {k: v for k, v in dict(cfg.export.serve).items() if not (k.endswith("_args") and not v)}
+    serve = shaping(cfg.export.serve)
     return digest(
         {
             "summary": summary.read_text() if summary.exists() else None,

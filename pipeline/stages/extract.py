@@ -35,8 +35,7 @@ def check(cfg) -> None:
 def fingerprint(cfg) -> str:
     stats_path = RunDir.of(cfg).prepared_stats
     prepared = stats_path.read_text() if stats_path.exists() else None
-    # the SGLang knobs shape nothing under backend=hf (and leaving them out keeps hf stores made before they
-    # existed up to date); SGLang's memory fraction never shapes the states
+    # the SGLang knobs shape nothing under backend=hf; SGLang's memory fraction never shapes the states
     leave_out = {
         "overwrite",
         "repair",
@@ -56,8 +55,6 @@ def fingerprint(cfg) -> str:
         for k, v in OmegaConf.to_container(cfg.extract, resolve=True, enum_to_str=True).items()
         if k not in leave_out
     }
-    if shaping.get("store_dtype") == "bf16":  # the default leaves bf16 stores made before the knob up to date
-        shaping.pop("store_dtype")
     return digest(
         {
             "prepared": prepared,

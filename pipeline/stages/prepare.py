@@ -65,16 +65,9 @@ def check(cfg) -> None:
 def fingerprint(cfg) -> str:
     folder = targets.resolve(cfg.target, cfg.cache_dir)
     data = OmegaConf.to_container(cfg.data, resolve=True, enum_to_str=True)
-    if not data.get(
-        "extra_sources"
-    ):  # a knob added later: at its default, runs prepared before stay up to date
-        data.pop("extra_sources", None)
     if data.get("path") and Path(data["path"]).exists():
         st = Path(data["path"]).stat()
         data["_file"] = [st.st_size, st.st_mtime_ns]
-    for key, default in (("sources", []), ("on_leak", "fail")):  # knobs added later: at their defaults, runs
-        if data.get(key) == default:  # prepared before stay up to date
-            data.pop(key)
     for source in data.get("sources", []):
         if source.get("path") and Path(source["path"]).exists():
             st = Path(source["path"]).stat()

@@ -16,14 +16,14 @@ import torch
 from pipeline.capture import features
 from pipeline.config_choices import Select
 from pipeline.errors import UserError
-from pipeline.fingerprint import digest
+from pipeline.fingerprint import digest, shaping
 from pipeline.formats import train_summary
 from pipeline.formats.run_dir import RunDir
 from pipeline.models import draft
 from pipeline.training.checkpoints import resume_or_clear
 from pipeline.training.loop import log_metrics, loop, start_logging, tau_step, validate
 from pipeline.training.report import end, finish
-from pipeline.training.setup import NOT_SHAPING, setup, shaping_of
+from pipeline.training.setup import NOT_SHAPING, setup
 
 log = logging.getLogger(__name__)
 
@@ -92,7 +92,7 @@ def fingerprint(cfg) -> str:
         {
             "vocab": vocab_manifest.read_text() if vocab_manifest.exists() else None,
             "seed": cfg.seed,
-            "train": shaping_of(cfg.train, NOT_SHAPING),
+            "train": shaping(cfg.train, NOT_SHAPING),
         }
     )
 

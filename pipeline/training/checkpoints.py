@@ -35,18 +35,18 @@ def resume_or_clear(cfg, s: Session) -> Progress:
             state["upstream"] != s.upstream or state["seed"] != cfg.seed
         ):  # read before load_state touches the model
             raise UserError(refuse)
+        if "packs_done_in_epoch" not in state:  # written before the global data position existed
+            raise UserError(
+                f"checkpoint {found[0]} was written by an older eaglepipe (no global data position); use a "
+                "new run_dir or train.resume=never (it replaces the checkpoints under train/)"
+            )
         try:
             load(s, found[0])
         except RuntimeError as e:  # same recorded upstream, other shapes (e.g. a vocab of another size)
             if "size mismatch" not in str(e):
                 raise
             raise UserError(f"{refuse} (its tensors have other shapes than this draft's)") from None
-        # checkpoints before the global position (all single-process) counted this rank's micro-batches
-        p = Progress(
-            state["optimizer_step"],
-            state["epoch"],
-            state.get("packs_done_in_epoch", state.get("batches_done_in_epoch")),
-        )
+        p = Progress(state["optimizer_step"], state["epoch"], state["packs_done_in_epoch"])
         s.best = dict(state.get("best_tau") or {})
         world, was = s.accelerator.num_processes, state.get("world_size", 1)
         log.info(

@@ -56,29 +56,6 @@ def pad_packs(t, device: torch.device) -> bool:
     return bool(t.pad_packs) if t.pad_packs is not None else device.type == "cuda"
 
 
-def shaping_of(t, leave_out: tuple[str, ...]) -> dict:
-    """The train section as fingerprinted: a knob added later leaves the fingerprint at its default (the Llama
-    draft, DDP, offline features, no tau, select=last), so runs trained before it existed are not
-    retrained."""
-    data = shaping(t, leave_out)
-    if (
-        data.get("pad_packs") is None
-    ):  # null: padded on CUDA only; the same loss either way (tests hold it), so it
-        data["pad_packs"] = False  # hashes as the earlier default and no finished run is retrained for it
-    for key, default in (
-        ("draft_arch", "llama"),
-        ("strategy", "ddp"),
-        ("features", "offline"),
-        ("eval_tau_every_steps", None),
-        ("select", "last"),
-        ("loss_chunk_tokens", 2048),
-        ("adam_betas", [0.9, 0.95]),
-    ):  # knobs added later, at the value they had before
-        if key in data and data[key] == default:
-            data.pop(key)
-    return data
-
-
 def load_inputs(cfg):
     store = features.open_source(cfg)  # the feature store, or (train.features=online) the target itself
     try:
@@ -219,7 +196,7 @@ def setup(cfg) -> tuple[Session, Plan]:
         "features_manifest_hash": store.manifest_hash(),
         "vocab_coverage": vman["coverage"],
         "target_fingerprint": store.facts["target_fingerprint"],
-        "train_config_hash": digest(shaping_of(t, RESUMABLE_ACROSS)),
+        "train_config_hash": digest(shaping(t, RESUMABLE_ACROSS)),
     }
     if accelerator.is_main_process:
         log.info(

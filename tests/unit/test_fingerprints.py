@@ -104,26 +104,14 @@ def test_first_answer_tokens_is_hashed_only_when_a_second_turn_set_reads_it(make
     assert fp(evaluate, make_cfg, tmp_path, turn2, change) != fp(evaluate, make_cfg, tmp_path, turn2)
 
 
-def test_train_pad_packs_null_hashes_as_the_earlier_default(make_cfg, tmp_path):
-    """pad_packs=null (padded on CUDA only) gives the same loss as unpadded: runs trained before it are not
-    retrained."""
-    assert fp(train, make_cfg, tmp_path) == fp(train, make_cfg, tmp_path, "train.pad_packs=false")
+def test_train_knobs_are_hashed_at_every_value_with_no_compatibility_defaults(make_cfg, tmp_path):
+    """No knob is left out of train's fingerprint at the value it had before it existed (no shims before
+    1.0): pad_packs null and false, adam_betas at AdamW's old (0.9, 0.95), are each hashed as they are."""
+    assert fp(train, make_cfg, tmp_path) != fp(train, make_cfg, tmp_path, "train.pad_packs=false")
     assert fp(train, make_cfg, tmp_path) != fp(train, make_cfg, tmp_path, "train.pad_packs=true")
-
-
-def test_adam_betas_at_the_value_before_the_knob_hashes_as_before_it_existed(make_cfg):
-    """train.adam_betas came after runs were trained with AdamW (0.9, 0.95) hard-coded: at that value it is
-    not hashed, so those runs stay up to date. The default is torch's (0.9, 0.999) now: a default run is
-    another
-    run."""
     t = make_cfg("+experiment=tiny", "train.adam_betas=[0.9,0.95]").train
-    assert "adam_betas" not in setup.shaping_of(t, setup.NOT_SHAPING)
-    assert list(make_cfg("+experiment=tiny").train.adam_betas) == [0.9, 0.999]
-    assert setup.shaping_of(make_cfg("+experiment=tiny").train, setup.NOT_SHAPING)["adam_betas"] == [
-        0.9,
-        0.999,
-    ]
-    assert list(make_cfg("+experiment=gpu_smollm2").train.adam_betas) == [0.9, 0.95]  # its measured recipe
+    assert shaping(t, setup.NOT_SHAPING)["adam_betas"] == [0.9, 0.95]
+    assert shaping(t, setup.NOT_SHAPING)["draft_arch"] == "llama"
 
 
 def test_shaping_refuses_a_left_out_knob_the_section_does_not_have(make_cfg):
@@ -211,12 +199,9 @@ def test_the_online_sources_hash_leaves_out_the_hosts_compute_dtype_and_nothing_
         assert h(**{key: value}) != h(), key
 
 
-def test_data_extra_sources_reprepares_and_hashes_as_before_the_knob_at_its_default(
-    make_cfg, tmp_path, monkeypatch
-):
-    """data.extra_sources came after runs were prepared: [] is not hashed (those runs stay up to date); a
-    source
-    added is."""
+def test_data_knobs_are_hashed_at_their_defaults_and_a_change_reprepares(make_cfg, tmp_path, monkeypatch):
+    """The data section is hashed whole (no knob left out at the value it had before it existed); a source
+    added, or another leak policy, prepares again."""
     from omegaconf import OmegaConf
 
     from pipeline.stages import prepare
@@ -225,11 +210,7 @@ def test_data_extra_sources_reprepares_and_hashes_as_before_the_knob_at_its_defa
     seen = []
     monkeypatch.setattr(prepare, "digest", lambda d: seen.append(d) or "x")
     prepare.fingerprint(cfg)
-    assert "extra_sources" not in seen[-1]["data"]
-    want = OmegaConf.to_container(cfg.data, resolve=True, enum_to_str=True)
-    for later in ("extra_sources", "sources", "on_leak"):  # knobs added later, at their defaults
-        want.pop(later)
-    assert seen[-1]["data"] == want  # the data section exactly as hashed before the knobs existed
+    assert seen[-1]["data"] == OmegaConf.to_container(cfg.data, resolve=True, enum_to_str=True)
     monkeypatch.undo()
     for change in ("data.extra_sources=[chatterbot]", "data.on_leak=drop"):
         assert prepare.fingerprint(

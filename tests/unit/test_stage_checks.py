@@ -136,6 +136,6 @@ def test_evaluate_of_a_draft_trained_without_held_out_samples_names_val_fraction
 
     final = tmp_path / "train" / "final"
     final.mkdir(parents=True)
-    (final / "train_summary.json").write_text(json.dumps({"val_samples": []}))
+    (final / "train_summary.json").write_text(json.dumps({"val_samples": [], "tau_probe_half": "selection"}))
     with pytest.raises(UserError, match=r"trained with no held-out samples \(train.val_fraction=0\)"):
         heldout_prompts(make_cfg("+experiment=tiny", run_dir=tmp_path), store=None, n=3, prompt_tokens=512)

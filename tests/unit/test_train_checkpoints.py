@@ -133,13 +133,16 @@ def test_only_the_main_process_clears(tmp_path):
     assert (tmp_path / "step_000003").is_dir()
 
 
-def test_a_checkpoint_from_before_the_global_position_resumes_where_it_stopped(tmp_path):
-    """Checkpoints written before packs_done_in_epoch counted this (single) rank's micro-batches."""
+def test_a_checkpoint_from_before_the_global_position_is_refused_in_one_line(tmp_path):
+    """Checkpoints written before packs_done_in_epoch (they counted one rank's micro-batches) are not read
+    through a compatibility path: refused, with the fix, before anything is loaded."""
     s = session(tmp_path)
     checkpoints.save(
         s,
         {"optimizer_step": 5, "epoch": 1, "batches_done_in_epoch": 3, "seed": 0, "upstream": dict(UPSTREAM)},
         3,
     )
-    p = checkpoints.resume_or_clear(cfg(), s)
-    assert (p.step, p.epoch, p.packs_done) == (5, 1, 3)
+    with pytest.raises(UserError, match="written by an older eaglepipe") as e:
+        checkpoints.resume_or_clear(cfg(), s)
+    assert "train.resume=never" in str(e.value) and "\n" not in str(e.value)
+    assert s.accelerator.loaded == []
