@@ -18,6 +18,8 @@ def check(cfg) -> None:
     for key in ("batch_tokens", "shard_tokens", "chunk_tokens", "max_batch_size", "write_workers"):
         if cfg.extract[key] < 1:
             raise UserError(f"extract.{key}={cfg.extract[key]}: must be >= 1")
+    if cfg.extract.limit is not None and cfg.extract.limit < 1:  # 0 would make a complete, empty store
+        raise UserError(f"extract.limit={cfg.extract.limit}: must be >= 1 or null (every prepared sample)")
     writer = str(getattr(cfg.extract.writer, "value", cfg.extract.writer))
     if cfg.extract.write_workers > 1 and writer != "zarr":
         raise UserError(

@@ -52,6 +52,10 @@ def check(cfg) -> None:
             "prepare.regenerate_endpoint is set but prepare.regenerate=false; set regenerate=true"
         )
     problems += _check_generation(cfg.prepare)
+    if cfg.prepare.max_assistant_turns is not None and cfg.prepare.max_assistant_turns < 1:
+        problems.append(
+            f"prepare.max_assistant_turns={cfg.prepare.max_assistant_turns}: must be >= 1 or null (all turns)"
+        )
     if cfg.data.limit is not None and cfg.data.limit < 1:
         problems.append(f"data.limit={cfg.data.limit}: must be >= 1 or null")
     if str(getattr(cfg.data.format, "value", cfg.data.format)) == "mix":

@@ -55,6 +55,12 @@ def check(cfg) -> None:
         )
     if not t.lr > 0:
         problems.append(f"train.lr={t.lr} must be > 0")
+    if t.warmup_steps < 0:
+        problems.append(f"train.warmup_steps={t.warmup_steps} must be >= 0")
+    if t.max_grad_norm is not None and t.max_grad_norm < 0:  # a negative norm flips the clipped gradient
+        problems.append(f"train.max_grad_norm={t.max_grad_norm} must be > 0 (or 0 / null: no clipping)")
+    if str(t.device).startswith("cuda") and not torch.cuda.is_available():
+        problems.append(f"train.device={t.device} but this machine has no CUDA; use train.device=auto or cpu")
     if len(t.adam_betas) != 2 or not all(0 <= b < 1 for b in t.adam_betas):
         problems.append(f"train.adam_betas={list(t.adam_betas)} must be two values in [0, 1) (beta1, beta2)")
     if t.loss_chunk_tokens is not None and t.loss_chunk_tokens < 1:

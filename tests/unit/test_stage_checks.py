@@ -5,7 +5,7 @@ import pytest
 
 from pipeline.acceptance.prompts import heldout_prompts
 from pipeline.errors import UserError
-from pipeline.stages import evaluate, export, train, vocab
+from pipeline.stages import evaluate, export, extract, prepare, train, vocab
 
 
 @pytest.mark.parametrize(
@@ -62,6 +62,12 @@ from pipeline.stages import evaluate, export, train, vocab
         ),
         # the default 32000 with target=tiny was refused only after prepare and extract ran
         (vocab, ["vocab.draft_vocab_size=32000"], r"vocab.draft_vocab_size=32000: must be in \[1, 1024\]"),
+        # issue #35: each ran to exit 0 with a wrong or degraded result
+        (train, ["train.max_grad_norm=-1"], r"train.max_grad_norm=-1.0 must be > 0"),  # flipped the gradient
+        (train, ["train.warmup_steps=-5"], r"train.warmup_steps=-5 must be >= 0"),
+        (extract, ["extract.limit=0"], r"extract.limit=0: must be >= 1 or null"),  # a complete, empty store
+        (extract, ["extract.limit=-3"], r"extract.limit=-3: must be >= 1 or null"),
+        (prepare, ["prepare.max_assistant_turns=0"], r"prepare.max_assistant_turns=0: must be >= 1 or null"),
     ],
 )
 def test_bad_settings_are_refused_before_the_stage_works(make_cfg, stage, overrides, message):
@@ -139,3 +145,13 @@ def test_evaluate_of_a_draft_trained_without_held_out_samples_names_val_fraction
     (final / "train_summary.json").write_text(json.dumps({"val_samples": [], "tau_probe_half": "selection"}))
     with pytest.raises(UserError, match=r"trained with no held-out samples \(train.val_fraction=0\)"):
         heldout_prompts(make_cfg("+experiment=tiny", run_dir=tmp_path), store=None, n=3, prompt_tokens=512)
+
+
+def test_train_on_cuda_without_cuda_is_refused_not_run_on_the_cpu(make_cfg, monkeypatch):
+    """issue #35: train.device=cuda on a machine without CUDA trained on the CPU under bf16 autocast."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(UserError, match=r"train.device=cuda but this machine has no CUDA"):
+        train.check(make_cfg("+experiment=tiny", "train.device=cuda"))
+    train.check(make_cfg("+experiment=tiny", "train.device=cpu"))
