@@ -323,9 +323,8 @@ def _fmt(x) -> str:
 
 def _trained_val_acc0(cfg):
     """Training's last validation full_acc_0 (train/final/train_summary.json), or None where there is none."""
-    summary = train_summary.path(RunDir.of(cfg).final)
     try:
-        return float(json.loads(summary.read_text())["val_after"]["full_acc_0"])
+        return float(train_summary.read(RunDir.of(cfg).final)["val_after"]["full_acc_0"])
     except (OSError, KeyError, TypeError, ValueError):
         return None
 

@@ -96,7 +96,7 @@ def heldout_prompts(cfg, store, n: int, prompt_tokens: int, half: str = "report"
     """Prefixes of the validation samples train held out (train_summary.json's `val_samples`), report half
     (prompt_sets.selection_and_report; `half="selection"`: the other one, where choices are made), up to their
     first supervised token, i.e. up to where the assistant starts answering; at most prompt_tokens long."""
-    summary = train_summary.path(RunDir.of(cfg).final)
+    summary = RunDir.of(cfg).train_summary
     facts = train_summary.read(summary.parent)
     if facts is None:
         raise UserError(f"no {summary}: run stage=train first")

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from pipeline.formats import eval_reports, train_summary, vocab_map
+from pipeline.formats import eval_reports, vocab_map
 from pipeline.formats.run_dir import RunDir
 
 
@@ -53,7 +53,7 @@ def figures(run_dir: Path) -> dict[str, str]:
             f"{v['draft_vocab_size']:,} draft ids of {v['target_vocab_size']:,} cover "
             f"{100 * v['coverage']:.2f}% of supervised tokens ({rep['distinct_ids_seen']:,} distinct seen)"
         )
-    if t := _read(train_summary.path(r / "train" / "final")):
+    if t := _read(RunDir(r).train_summary):
         out["train"] = (
             f"{t['optimizer_steps']} steps; val acc_0/1/2 {_accs(t['val_before'])} -> {_accs(t['val_after'])}"
         )
@@ -94,7 +94,7 @@ def files_to_open(run_dir: Path) -> list[str]:
 
 
 def _online(run_dir: Path) -> bool:
-    summary = _read(train_summary.path(RunDir(Path(run_dir)).final)) or {}
+    summary = _read(RunDir(Path(run_dir)).train_summary) or {}
     return summary.get("config", {}).get("train", {}).get("features") == "online"
 
 

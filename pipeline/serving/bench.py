@@ -266,8 +266,7 @@ def measure(cfg, store, prompts: list[list[int]], out: Path) -> Path:
         e.endpoint_timeout_s,
     )
     out.mkdir(parents=True, exist_ok=True)
-    path = out / eval_reports.ONLINE
-    path.write_text(json.dumps(report, indent=1))
+    path = eval_reports.write(out, True, report)
     if "error" in report:
         raise UserError(f"{report['error']} (written to {path})")
     spec = report["speculative"]

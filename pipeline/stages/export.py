@@ -40,7 +40,7 @@ def out_dir(cfg) -> Path:
 
 
 def fingerprint(cfg) -> str:
-    summary = train_summary.path(RunDir.of(cfg).final)
+    summary = RunDir.of(cfg).train_summary
     weights = RunDir.of(cfg).final / "model.safetensors"
     serve = shaping(cfg.export.serve)
     return digest(
