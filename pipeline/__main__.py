@@ -8,6 +8,7 @@ not writable); Hydra's own report of those is several lines and exit code 1."""
 
 import logging
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -15,7 +16,9 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from pipeline import ranks
 from pipeline.config import register
+from pipeline.config_limits import is_setting, unknown_key
 from pipeline.errors import UserError
 
 log = logging.getLogger("pipeline")
@@ -29,6 +32,9 @@ def app(cfg: DictConfig) -> None:
     from pipeline.runner import run_stages
 
     _job["started"] = True
+    if ranks.from_slurm() or int(os.environ.get("WORLD_SIZE", "1")) > 1:  # in each task of an srun step too
+        if os.environ.get("RANK", "0") == "0":
+            log.info(ranks.describe())
     try:
         _sweep_job_run_dir(cfg)
         log.debug("resolved config:\n%s", OmegaConf.to_yaml(cfg, resolve=True))
@@ -67,7 +73,26 @@ def _sweep_job_run_dir(cfg: DictConfig) -> None:
         HydraConfig.get().job.override_dirname or "no overrides",
         job_dir,
     )
+    _refuse_a_job_with_nothing_to_start_from(cfg, job_dir, HydraConfig.get().job.num)
     cfg.run_dir = job_dir
+
+
+def _refuse_a_job_with_nothing_to_start_from(cfg: DictConfig, job_dir: str, num) -> None:
+    """A sweep of one later stage (`-m stage=train train.lr=a,b`) over a finished run: each job works in its
+    own run dir, where no earlier stage ran; the one line says so, not "run stage=extract first" (which the
+    user did, in the run dir above)."""
+    from pipeline.runner import TOOLS
+
+    stage = str(getattr(cfg.stage, "value", cfg.stage))
+    # a job dir where earlier stages ran, or their outputs were copied in (docs/scale.md)
+    started = ("stages.json", "prepared", "features", "vocab", "train", "export")
+    if stage in ("all", "prepare", *TOOLS) or any((Path(job_dir) / p).exists() for p in started):
+        return
+    raise UserError(
+        f"multirun job {num} runs stage={stage} in its own run dir {job_dir} (sweep points never share "
+        f"checkpoints), where no earlier stage ran; a sweep does not read the stages finished in "
+        f"{cfg.run_dir}: sweep stage=all (each job runs every stage in its own run dir)"
+    )
 
 
 def fail(message: str) -> None:
@@ -113,6 +138,9 @@ def startup_error(e: BaseException) -> str | None:
             f"override {e.override!r}: {what}; Hydra's grammar reserves , [ ] {{ }} ( ) ' \" = "
             "and \\ in values: quote the value inside the override, e.g. \"launch='$(cat serve.sh)'\""
         )
+    if isinstance(e, ConfigCompositionException) and (m := re.match(r"Could not override '(.+?)'", str(e))):
+        # Hydra's hint, "To append to your config use +key=...", adds a key nothing reads
+        return unknown_key(m.group(1))
     if isinstance(e, (ConfigCompositionException, OmegaConfBaseException)):
         cause = e.__cause__
         text = one_line(str(e))
@@ -142,6 +170,31 @@ def schema_as_option(args: list[str]) -> str | None:
                 f"{group}={option} is the schema every {group}/*.yaml builds on, not a {group}: pick one "
                 f"of {', '.join(options)}"
             )
+    return None
+
+
+def empty_run_dir(args: list[str]) -> str | None:
+    """`run_dir=$UNSET`: Hydra would write .hydra/ and its log into the current directory before any check,
+    and the stages after it."""
+    for arg in args:
+        key, _, value = arg.lstrip("+~").partition("=")
+        if key == "run_dir" and not value.strip():
+            return "run_dir is empty (an unset shell variable?): give it a directory"
+    return None
+
+
+def added_key(args: list[str]) -> str | None:
+    """`+train.lrr=1e-9`: Hydra adds any key with `+` (its own hint for a misspelt one says to), nothing reads
+    it, and Hydra writes the run dir's .hydra/ first. Config groups (`+experiment=tiny`) are not keys."""
+    for arg in args:
+        if arg.startswith("+") and not arg.startswith("++") and "=" in arg:
+            key = arg[1:].split("=", 1)[0]
+            if (
+                not (CONF / key.split("/")[0]).is_dir()
+                and not key.startswith("hydra")
+                and not is_setting(key)
+            ):
+                return unknown_key(key)
     return None
 
 
@@ -181,6 +234,26 @@ def num_processes_of_launch(args: list[str]) -> int:
     return 1
 
 
+LAUNCHER_PID = "EAGLEPIPE_LAUNCHER_PID"  # relaunch_ranks -> its ranks: the pid of the launcher they die with
+
+
+def die_with_launcher() -> None:
+    """SIGTERM to this process when the one that started it dies, however it dies (Linux prctl
+    PR_SET_PDEATHSIG; issue #35 rule 2). A rank (LOCAL_RANK set: torchrun, accelerate launch): torchrun starts
+    each rank in a session of its own, so a kill of the job's process group missed them and they trained on
+    beside the rerun. This process before it becomes torchrun (relaunch_ranks): `accelerate launch` does not
+    forward SIGTERM; dying with it, torchrun stops its ranks. A launcher already gone: stop now."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+    import signal
+
+    parent = int(os.environ.pop(LAUNCHER_PID, 0) or os.getppid())
+    ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM), 0, 0, 0)  # 1: PR_SET_PDEATHSIG
+    if os.getppid() != parent:  # it died before the line above: no signal will come
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
 def relaunch_ranks(argv: list[str]) -> None:
     """stage=train under `accelerate launch --cpu --num_processes N` (N > 1): this process becomes torchrun's
     launcher of the N ranks (gloo), so the command does what it says instead of training on one rank."""
@@ -193,6 +266,8 @@ def relaunch_ranks(argv: list[str]) -> None:
             file=sys.stderr,
             flush=True,
         )
+        die_with_launcher()  # kept across exec: torchrun dies with `accelerate launch`, and stops its ranks
+        os.environ[LAUNCHER_PID] = str(os.getpid())  # torchrun's own pid: the parent each rank checks
         os.execv(
             sys.executable,
             [
@@ -211,13 +286,15 @@ def relaunch_ranks(argv: list[str]) -> None:
 def main() -> None:
     from pipeline.runner import TOOLS
 
+    if "LOCAL_RANK" in os.environ:  # one rank of a job: it ends with its launcher
+        die_with_launcher()
     relaunch_ranks(sys.argv[1:])
     # `eaglepipe verify export_dir=...` is `eaglepipe stage=verify export_dir=...`
     if len(sys.argv) > 1 and "=" not in sys.argv[1] and not sys.argv[1].startswith("-"):
         sys.argv[1] = f"stage={sys.argv[1].replace('-', '_')}"  # check-store is stage=check_store
     if any(a in {f"stage={t}" for t in TOOLS} for a in sys.argv[1:]):
         sys.argv += TOOL_HYDRA
-    problem = schema_as_option(sys.argv[1:])
+    problem = schema_as_option(sys.argv[1:]) or empty_run_dir(sys.argv[1:]) or added_key(sys.argv[1:])
     if problem:
         fail(problem)
     os.environ.setdefault("HYDRA_FULL_ERROR", "1")  # Hydra raises instead of printing several lines, exit 1

@@ -34,7 +34,9 @@ from pipeline.config_choices import (
 class TargetConfig:
     name: str = MISSING
     source: TargetSource = TargetSource.path
-    path: str | None = None  # source=path: the HF folder; source=smollm2_gguf: the .gguf (null = the wheel's)
+    # source=path: the HF folder; source=smollm2_gguf: the .gguf (null = the wheel's);
+    # source=qwen25_coder_gguf: the joined .gguf or a folder of its part files (null = the installed wheels')
+    path: str | None = None
     # Expected shape: checked against the loaded config.json, so a wrong `path` fails loudly.
     num_layers: int = MISSING
     hidden_size: int = MISSING

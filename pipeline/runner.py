@@ -9,6 +9,7 @@ section and the fingerprints of what it reads, so a change upstream reaches ever
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import json
 import logging
@@ -16,17 +17,23 @@ import os
 import time
 from pathlib import Path
 
-from pipeline.capture import features
+from pipeline import config_limits, ranks
+from pipeline.capture import aux_layers, features
 from pipeline.errors import UserError
-from pipeline.formats import checkpoint
+from pipeline.formats import checkpoint, faults, run_lock
+from pipeline.formats import export_layouts as lay
 from pipeline.formats import feature_store as fs
 from pipeline.formats.run_dir import RunDir
+from pipeline.models import targets
 
 log = logging.getLogger(__name__)
 
 ORDER = ["prepare", "extract", "vocab", "train", "export", "evaluate"]
 # read an export or a store; no fingerprints, never part of `all`
 TOOLS = ["verify", "serve", "doctor", "parity", "check_store", "plan", "tune_serve"]
+# the tools that write into the run dir (parity/, tune/ and the export's serve.sh) take its lock as stages do;
+# the others only read and run beside a job
+WRITING_TOOLS = ("parity", "tune_serve")
 
 
 # Stages with a multi-process implementation (torchrun / accelerate launch): extract (hf: data parallel;
@@ -43,6 +50,23 @@ def is_rank0() -> bool:
     return int(os.environ.get("RANK", "0")) == 0
 
 
+@contextlib.contextmanager
+def one_run(run_dir: Path):
+    """One run at a time per run dir (issue #35 rule 2): held from the end of the checks to the end of the
+    command; another command there is refused in one line naming the holder. The ranks of one job share it:
+    rank 0 holds it for its job (torchrun's run id and rendezvous address), the other ranks wait until it
+    does."""
+    job = ranks.job()  # torchrun's run id or SLURM's job and step, and the rendezvous address
+    if not is_rank0():
+        run_lock.wait_for_job(run_dir, job)
+        yield
+        return
+    with run_lock.hold(run_dir, job if world_size() > 1 else None) as lock:
+        if lock.took_over:
+            log.warning(lock.took_over)
+        yield
+
+
 # What each stage read (run_dir-relative): a stage skipped as up to date says so when one of them is gone
 _R = RunDir(Path())  # run_dir-relative names of the artifacts
 INPUTS = {
@@ -56,7 +80,18 @@ INPUTS = {
 
 def read_records(run_dir: Path) -> dict:
     path = RunDir(Path(run_dir)).stages_json
-    return json.loads(path.read_text()) if path.exists() else {}
+    if not path.exists():
+        return {}
+    fix = (
+        "delete it and rerun the same command: each stage then runs again from its own outputs (prepare and "
+        "vocab are rebuilt, extract keeps its committed shards, train resumes from its checkpoints)"
+    )
+    return faults.read_json(
+        path,
+        fix,
+        lambda v: isinstance(v, dict) and all(isinstance(r, dict) and "fingerprint" in r for r in v.values()),
+        "an object of stage records",
+    )
 
 
 def write_record(run_dir: Path, stage: str, record: dict) -> None:
@@ -74,13 +109,23 @@ def selected(stage: str) -> list[str]:
 
 def preflight(cfg, names: list[str]) -> None:
     """Every selected stage's check(cfg), all before the first stage starts: `stage=all` with a bad eval or
-    export setting stops in a second, not after hours of extract and train; every problem in one line."""
-    problems = _resume_conflicts(cfg, names)
+    export setting stops in a second, not after hours of extract and train; every problem in one line.
+    Before them: keys the schema lacks, every knob's range or set (config_limits), and the checks across
+    stages (aux ids the export's engines cannot serve)."""
+    problems = config_limits.unknown_keys(cfg) + config_limits.problems(cfg)
+    problems += _resume_conflicts(cfg, names) + _unservable_aux_ids(cfg, names)
     mix_heldout = _mix_holds_out(cfg)  # data=mix: train validates on the sources' held-out sets instead
     if {"train", "evaluate"} <= set(names) and cfg.train.val_fraction == 0 and not mix_heldout:
         problems.append(
             "train.val_fraction=0 holds out no samples, and evaluate prompts only from held-out ones: "
             "set train.val_fraction > 0, or run the stages up to export"
+        )
+    elif (
+        {"train", "evaluate"} <= set(names) and (cfg.get("data") or {}).get("limit") == 1 and not mix_heldout
+    ):
+        problems.append(  # train keeps one sample to train on: 1 x any fraction holds none out
+            f"data.limit=1: 1 sample x train.val_fraction={cfg.train.val_fraction} holds none out (training "
+            "keeps at least one), and evaluate prompts only from held-out ones: raise data.limit"
         )
     for name in names:
         check = getattr(importlib.import_module(f"pipeline.stages.{name}"), "check", None)
@@ -92,6 +137,25 @@ def preflight(cfg, names: list[str]) -> None:
             problems.append(f"{name}: {e}")
     if problems:
         raise UserError("; ".join(problems))
+
+
+def _unservable_aux_ids(cfg, names: list[str]) -> list[str]:
+    """Aux ids an engine of export.engines cannot be asked for on this target (SGLang on a DeepSeek-V3/Kimi
+    target: a first id of 0): refused before capture, not at export after days of extract and train."""
+    if not set(names) & {"extract", "vocab", "train", "export"}:
+        return []
+    try:
+        ids = aux_layers.aux_layer_ids(cfg.extract.aux_layers, cfg.target.num_layers)
+    except UserError as e:
+        return [str(e)]
+    arch = targets.declared_architecture(cfg.target) or ""
+    found = []
+    for engine in [e for e in cfg.export.engines if e in lay.ENGINES]:
+        try:
+            lay.engine_layer_ids(engine, ids, arch)
+        except lay.AuxIdsUnservable as e:
+            found.append(f"extract.aux_layers={ids} with export.engines={list(cfg.export.engines)}: {e}")
+    return found
 
 
 def _mix_holds_out(cfg) -> bool:
@@ -134,13 +198,25 @@ def run_stages(cfg) -> None:
     # counts and rates are our own log lines
     logging.getLogger("httpx").setLevel(logging.WARNING)
     try:
-        _run_stages(cfg, stage)
-    except fs.ChunkError as e:  # damaged features, found while reading them
+        with contextlib.ExitStack() as held:  # the run dir's lock, taken by _run_stages once the checks pass
+            _run_stages(cfg, stage, held)
+    except fs.Damaged as e:  # damaged features, found while reading them (the message names the fix)
         raise UserError(str(e)) from None
+    except UserError:
+        raise
+    except Exception as e:  # a full disk, in whichever words the writer says it
+        if (line := faults.disk_full(e, cfg.run_dir)) is None:
+            raise
+        raise UserError(line) from None
 
 
-def _run_stages(cfg, stage: str) -> None:
+def _run_stages(cfg, stage: str, held: contextlib.ExitStack) -> None:
     if stage in TOOLS:
+        if problems := config_limits.unknown_keys(cfg) + config_limits.problems(cfg):
+            raise UserError("; ".join(problems))
+        if stage in WRITING_TOOLS:
+            Path(cfg.run_dir).mkdir(parents=True, exist_ok=True)
+            held.enter_context(one_run(Path(cfg.run_dir)))
         importlib.import_module(f"pipeline.tools.{stage}").run(cfg)
         return
     names = selected(stage)
@@ -161,6 +237,7 @@ def _run_stages(cfg, stage: str) -> None:
     preflight(cfg, names)
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
+    held.enter_context(one_run(run_dir))
     ran = set()
     for name in names:
         module = importlib.import_module(f"pipeline.stages.{name}")

@@ -28,10 +28,14 @@ def handler(
     accept_length: float = 2.5,
     die_after: int | None = None,
     exit_on_death: bool = False,
+    generate_raw: bytes | None = None,
+    info_raw: bytes | None = None,
 ):
     """A request handler class: /get_server_info answers `info`; each /generate sleeps delay_s and generates
     max_new_tokens (verify passes at accept_length when info says it speculates); after die_after requests the
-    server stops answering (the process exits when exit_on_death, else each connection closes unanswered)."""
+    server stops answering (the process exits when exit_on_death, else each connection closes unanswered).
+    A broken server: `generate_raw` is every POST's answer (HTTP 200, these bytes), `info_raw` that of
+    /server_info and /get_server_info."""
     state = {"served": 0, "lock": threading.Lock()}
 
     class SGLangLikeTestServer(BaseHTTPRequestHandler):
@@ -39,7 +43,7 @@ def handler(
             pass
 
         def _send(self, code, body):
-            data = json.dumps(body).encode()
+            data = body if isinstance(body, bytes) else json.dumps(body).encode()
             self.send_response(code)
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(data)))
@@ -59,12 +63,16 @@ def handler(
                 return
             if self.path == "/health":
                 return self._send(200, {})
+            if info_raw is not None and self.path in ("/server_info", "/get_server_info"):
+                return self._send(200, info_raw)
             if self.path == "/get_server_info":
                 return self._send(200, info)
             self._send(404, {})
 
         def do_POST(self):
             body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            if generate_raw is not None:
+                return self._send(200, generate_raw)
             with state["lock"]:
                 if self._dead():
                     return

@@ -37,7 +37,9 @@ class ExportedDraft:
             self.rotary = _rotary(config, self.hd).to(
                 device
             )  # the rope the config names (yarn for Kimi), as trained
-        self.d2t = self.w["d2t"]
+        # no d2t: a full-vocabulary draft (vocab_map.full); SGLang keeps hot_token_id None: draft = target id
+        full = torch.zeros(len(self.w["lm_head.weight"]), dtype=torch.long, device=device)
+        self.d2t = self.w.get("d2t", full)
 
     def _rms(self, x, name):
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.w[name]

@@ -19,7 +19,6 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
 
 from pipeline.acceptance import batched
 from pipeline.acceptance.draft_model import ExportedDraft
@@ -170,12 +169,12 @@ def greedy_answers(cfg, store, prompts: list[list[int]], max_new: int) -> list[s
 def measure(cfg, store, prompts: list[list[int]], out: Path) -> Path:
     """tau of the exported draft (and of an untrained one) over the prompts; out/acceptance.json + tau.png."""
     e = cfg.eval
-    export = RunDir.of(cfg).export("sglang")  # its presence is the stage's precondition (evaluate.run)
+    # its presence is the stage's precondition (evaluate.run); damaged or in another layout: one line
+    tensors, config = lay.read_sglang(RunDir.of(cfg).export("sglang"))
     target = _target(cfg, store)
     folder, tok, device, model, capture = target
-    config = json.loads((export / "config.json").read_text())
     embed = model.get_input_embeddings().weight.detach()
-    trained = ExportedDraft(load_file(str(export / "model.safetensors")), config, embed, device)
+    trained = ExportedDraft(tensors, config, embed, device)
     untrained = ExportedDraft(untrained_tensors(cfg, store, folder), config, embed, device)
     report = {
         "prompts": len(prompts),
@@ -253,31 +252,54 @@ def _tau_at(model, capture, dr, prompts, greedy_refs, all_runs, k: int, eos, e, 
         if all_runs is not None
         else [speculate(model, capture, dr, p, e.max_new_tokens, k, eos) for p in prompts]
     )
-    per_prompt, pooled_rounds, mismatches = [], [], 0
+    per_prompt, pooled_rounds, mismatches, by_prompt = [], [], 0, []
     for (gen, rounds), greedy in zip(runs, greedy_refs):
         mismatches += gen != greedy
         per_prompt.append(sum(r + 1 for r in rounds) / max(len(rounds), 1))
         pooled_rounds += rounds
+        by_prompt.append(rounds)
     accept = [
         sum(r >= i for r in pooled_rounds) / max(sum(r >= i - 1 for r in pooled_rounds), 1)
         for i in range(1, k + 1)
     ]
     result = {
         "tau": sum(r + 1 for r in pooled_rounds) / max(len(pooled_rounds), 1),
+        "tau_ci95": tau_interval(by_prompt),
+        "prompts": len(by_prompt),
         "tau_per_prompt": per_prompt,
         "accept_per_position": accept,
         "target_forwards": len(pooled_rounds),
         "greedy_mismatches": mismatches,
     }
     log.info(
-        "eval %s draft k=%d: tau %.3f, acceptance per position %s, greedy mismatches %d",
+        "eval %s draft k=%d: tau %.3f (95%% CI %s over %d prompts), acceptance per position %s, greedy "
+        "mismatches %d",
         name,
         k,
         result["tau"],
+        result["tau_ci95"],
+        result["prompts"],
         [round(x, 3) for x in accept],
         mismatches,
     )
     return result
+
+
+def tau_interval(rounds_by_prompt: list[list[int]], resamples: int = 2000, seed: int = 0) -> list[float]:
+    """A 95 % bootstrap interval of the pooled tau, resampling prompts (the unit that varies: a set of 8
+    prompts moves tau by tenths). [tau, tau] with one prompt; seeded, so a report is reproducible."""
+    import random
+
+    rng, n = random.Random(seed), len(rounds_by_prompt)
+    if n == 0:
+        return [0.0, 0.0]
+    sums = [(sum(r + 1 for r in rounds), len(rounds)) for rounds in rounds_by_prompt]
+    taus = []
+    for _ in range(resamples if n > 1 else 1):
+        pick = [sums[rng.randrange(n)] for _ in range(n)] if n > 1 else sums
+        taus.append(sum(a for a, _ in pick) / max(sum(b for _, b in pick), 1))
+    taus.sort()
+    return [taus[int(0.025 * (len(taus) - 1))], taus[int(0.975 * (len(taus) - 1))]]
 
 
 def _teacher_forced_acc(model, capture, dr, prompts, greedy_refs, name: str, report: dict) -> None:
@@ -305,6 +327,9 @@ def _log_table(cfg, report: dict, prompts, out: Path) -> None:
     lines = ["tau (tokens per target forward)  " + "".join(f"{'k=' + str(k):>8}" for k in ks)]
     for name, label in (("trained", "trained draft"), ("untrained", "untrained draft (floor)")):
         lines.append(f"{label:<33}" + "".join(f"{report[name][str(k)]['tau']:>8.3f}" for k in ks))
+        ci = [report[name][str(k)]["tau_ci95"] for k in ks]
+        label = f"  95% CI, {report[name][str(ks[0])]['prompts']} prompts"
+        lines.append(f"{label:<33}" + "".join(f"{f'{lo:.2f}-{hi:.2f}':>11}" for lo, hi in ci))
     where = (
         "held-out" if out == RunDir.of(cfg).eval else out.name
     )  # eval/, or eval/<set>/ of another prompt set

@@ -92,6 +92,23 @@ def set_prompts(cfg, store, name: str, n: int, prompt_tokens: int, bench=None) -
     return prompts
 
 
+def _why_none_held_out(facts: dict) -> str:
+    """Why a training run held no sample out, from what it recorded: train.val_fraction=0, or too few samples
+    for any fraction (train keeps at least one sample to train on)."""
+    fraction = ((facts.get("config") or {}).get("train") or {}).get("val_fraction")
+    n = facts.get("train_samples")
+    if not fraction:
+        return (
+            "train.val_fraction=0): evaluate prompts only from samples the draft never saw; retrain with "
+            "train.val_fraction > 0"
+        )
+    return (
+        f"{n} training sample{'s' if n != 1 else ''} x train.val_fraction={fraction} held none out: "
+        "training keeps at least one sample): evaluate prompts only from samples the draft never saw; "
+        "raise data.limit (or add data) and retrain"
+    )
+
+
 def heldout_prompts(cfg, store, n: int, prompt_tokens: int, half: str = "report") -> list[list[int]]:
     """Prefixes of the validation samples train held out (train_summary.json's `val_samples`), report half
     (prompt_sets.selection_and_report; `half="selection"`: the other one, where choices are made), up to their
@@ -109,8 +126,7 @@ def heldout_prompts(cfg, store, n: int, prompt_tokens: int, half: str = "report"
     val = facts["val_samples"]
     if not val:
         raise UserError(
-            f"{summary.parent} was trained with no held-out samples (train.val_fraction=0): evaluate "
-            "prompts only from samples the draft never saw; retrain with train.val_fraction > 0"
+            f"{summary.parent} was trained with no held-out samples ({_why_none_held_out(facts)})"
         )
     selection, report = prompt_sets.selection_and_report(val)  # evaluate: never the half choices were made on
     report = selection if half == "selection" else report

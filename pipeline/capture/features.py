@@ -118,7 +118,7 @@ def fingerprint_text(cfg) -> str | None:
         except UserError:
             return None  # nothing prepared yet: the stage that needs it says so when it runs
     manifest = RunDir.of(cfg).features / fs.MANIFEST
-    return manifest.read_text() if manifest.exists() else None
+    return manifest.read_text(errors="replace") if manifest.exists() else None  # damaged: extract says so
 
 
 class OnlineFeatures(fs.FactsView):

@@ -1,9 +1,10 @@
 """extract's settings checked before anything is captured: SGLang present at a version eaglepipe supports
-(extract.backend=sglang), sizes >= 1, writer processes only with the zarr writer. The extract stage and
-`eaglepipe parity` call it."""
+(extract.backend=sglang), a CUDA device that exists, writer processes only with the zarr writer. The extract
+stage and `eaglepipe parity` call it."""
 
 from __future__ import annotations
 
+from pipeline import config_limits
 from pipeline.errors import UserError
 
 
@@ -14,12 +15,9 @@ def backend(cfg) -> str:
 def check(cfg) -> None:
     """Every extract setting, before anything is captured (the extract stage and `eaglepipe parity` call
     it)."""
-    check_backend(cfg)
-    for key in ("batch_tokens", "shard_tokens", "chunk_tokens", "max_batch_size", "write_workers"):
-        if cfg.extract[key] < 1:
-            raise UserError(f"extract.{key}={cfg.extract[key]}: must be >= 1")
-    if cfg.extract.limit is not None and cfg.extract.limit < 1:  # 0 would make a complete, empty store
-        raise UserError(f"extract.limit={cfg.extract.limit}: must be >= 1 or null (every prepared sample)")
+    check_backend(cfg)  # ranges and closed sets: config_limits, checked before every stage's check
+    if problem := config_limits.cuda_missing("extract.device", cfg.extract.device):
+        raise UserError(problem)
     writer = str(getattr(cfg.extract.writer, "value", cfg.extract.writer))
     if cfg.extract.write_workers > 1 and writer != "zarr":
         raise UserError(

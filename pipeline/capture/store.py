@@ -23,7 +23,7 @@ from pipeline.capture.hf import Capture, plan_batches
 from pipeline.capture.settings import backend
 from pipeline.errors import UserError
 from pipeline.formats import feature_store as fs
-from pipeline.formats import shard_regions
+from pipeline.formats import shard_regions, store_check
 from pipeline.formats import store_writer as sw
 from pipeline.formats.run_dir import RunDir
 from pipeline.models import targets
@@ -72,13 +72,22 @@ def _process_group():
     return dist
 
 
-def _drop_damaged(cfg) -> None:
-    """extract.repair=true: shards with a damaged, truncated or missing chunk leave the manifest (and are then
-    extracted again, like shards a killed run never committed)."""
+def _drop_damaged(cfg, facts: dict) -> None:
+    """extract.repair=true: shards with a damaged, truncated or missing chunk or metadata leave the manifest
+    (and are then extracted again, like shards a killed run never committed); a manifest that cannot be read
+    is rebuilt from the shards that verify against their own metadata (formats/store_check.py)."""
     if int(os.environ.get("RANK", "0")) != 0:
         return
     try:
-        bad = fs.verify_store(out_dir(cfg))
+        bad = store_check.verify_store(out_dir(cfg))
+    except fs.ManifestDamaged as e:
+        try:
+            kept, redo = store_check.rebuild_manifest(out_dir(cfg), facts)
+        except fs.StoreError as other:  # shards of other inputs
+            raise UserError(f"extract.repair=true: {other}") from None
+        msg = "extract: repair: %s was damaged (%s): rebuilt from %d shard(s) that verify, %d to extract anew"
+        log.warning(msg, e.path, e.what, len(kept), len(redo))
+        return
     except fs.StoreError as e:
         raise UserError(f"extract.repair=true: {e}; run stage=extract without repair") from None
     names = sorted({b["shard"] for b in bad})
@@ -115,7 +124,10 @@ def _open_store(cfg, facts: dict, data_parallel: bool = False) -> dict:
             )
         return manifest
     for _ in range(600):
-        manifest = fs.read_manifest(out_dir(cfg))
+        try:
+            manifest = fs.read_manifest(out_dir(cfg))
+        except fs.ManifestDamaged:  # rank 0 rebuilds it first (extract.repair=true)
+            manifest = None
         if manifest and manifest.get("facts") == facts:
             return manifest
         time.sleep(1)
@@ -320,9 +332,11 @@ def extract(cfg) -> Path:
     lengths = np.array([len(x) for x in ds["input_ids"]], dtype=np.int64)
     facts = features.facts(cfg, folder, model_cfg, tok, stats, aux, dtype, len(lengths))
     if ex.repair:
-        _drop_damaged(cfg)
+        _drop_damaged(cfg, facts)
     try:
         manifest = _open_store(cfg, facts, data_parallel)
+    except fs.Damaged as e:  # its own fix
+        raise UserError(str(e)) from None
     except fs.StoreError as e:
         raise UserError(f"{e}; use a new run_dir or pass extract.overwrite=true to replace it") from None
     shards = plan_shards(lengths, ex.shard_tokens)

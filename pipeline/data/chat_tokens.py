@@ -35,21 +35,28 @@ def cut_long_prompts(tok, convs: list[dict], max_len: int) -> tuple[list[dict], 
     turn is dropped. Samples are cut at max_len, so such an answer would never be trained on, and a server
     refuses a prompt longer
     than its context (HTTP 400: 19 ShareGPT first turns on the H200, 2026-12-03). Counted, never silent."""
-    kept, cut, dropped = [], 0, 0
+    kept, cut, dropped, refused = [], 0, 0, Problems("skip", "prepare")
     for c in convs:
         msgs = c["messages"]
-        for i, m in enumerate(msgs):
-            if m["role"] != "assistant" or i == 0:  # a leading answer: tokenize_with_mask drops it, counted
-                continue
-            prompt = tok.apply_chat_template(msgs[:i], tokenize=False, add_generation_prompt=True)
-            if len(tok(prompt, add_special_tokens=False)["input_ids"]) >= max_len:
-                c["messages"] = msgs[:i]
-                cut += 1
-                break
+        try:
+            for i, m in enumerate(msgs):
+                if (
+                    m["role"] != "assistant" or i == 0
+                ):  # a leading answer: tokenize_with_mask drops it, counted
+                    continue
+                prompt = render(tok, msgs[:i], add_generation_prompt=True)
+                if len(tok(prompt, add_special_tokens=False)["input_ids"]) >= max_len:
+                    c["messages"] = msgs[:i]
+                    cut += 1
+                    break
+        except TemplateError as e:  # never sent to be answered: counted as tokenize_all counts it
+            refused.report(str(e), c["source_id"])
+            continue
         if any(m["role"] == "assistant" for m in c["messages"]):
             kept.append(c)
         else:
             dropped += 1
+    refused.log_summary()
     if cut:
         log.info(
             "prepare: %d conversations cut before an assistant turn whose prompt holds >= prepare.max_len=%d "
@@ -58,11 +65,23 @@ def cut_long_prompts(tok, convs: list[dict], max_len: int) -> tuple[list[dict], 
             max_len,
             dropped,
         )
-    return kept, {"cut": cut, "dropped": dropped, "max_len": max_len}
+    return kept, {"cut": cut, "dropped": dropped, "max_len": max_len, "template_refused": refused.as_dict()}
 
 
 class TemplateError(Exception):
     pass
+
+
+def render(tok, messages: list[dict], **kw) -> str:
+    """The chat template applied; a template that refuses the conversation (jinja's raise_exception, e.g.
+    "Conversation roles must alternate", or a field it lacks) is a TemplateError naming its message: that
+    conversation is skipped and counted, not the run stopped."""
+    import jinja2
+
+    try:
+        return tok.apply_chat_template(messages, tokenize=False, **kw)
+    except jinja2.TemplateError as e:
+        raise TemplateError(f"the chat template refused it: {e}") from None
 
 
 def assistant_spans(tok, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
@@ -72,7 +91,7 @@ def assistant_spans(tok, messages: list[dict]) -> tuple[str, list[tuple[int, int
     prefix of rendering messages[:i+1], which must be a prefix of the full text (true of ChatML, Llama-3,
     Qwen templates). A template that breaks it fails loudly instead of producing a wrong mask.
     """
-    full = tok.apply_chat_template(messages, tokenize=False)
+    full = render(tok, messages)
     eot = tok.eos_token
     if not eot:
         raise TemplateError("tokenizer has no eos token to close assistant turns")
@@ -82,8 +101,8 @@ def assistant_spans(tok, messages: list[dict]) -> tuple[str, list[tuple[int, int
             continue
         if i == 0:
             raise TemplateError("conversation starts with an assistant turn")
-        prefix = tok.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=True)
-        upto = tok.apply_chat_template(messages[: i + 1], tokenize=False)
+        prefix = render(tok, messages[:i], add_generation_prompt=True)
+        upto = render(tok, messages[: i + 1])
         if not (full.startswith(upto) and upto.startswith(prefix)):
             raise TemplateError("chat template is not prefix-stable for this conversation")
         k = upto.find(eot, len(prefix))

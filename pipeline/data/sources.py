@@ -132,9 +132,11 @@ def _json_records(path: Path, problems: Problems) -> Iterator[tuple[str, dict]]:
                 f"{path} line {line}: invalid UTF-8 (byte {e.start}); a .json file must be valid "
                 "UTF-8 as a whole"
             ) from None
-        yield from json_list_records(path, text, problems)
-        return
-    if data.lstrip()[:1] == b"[":
+        if not _json_lines(text):
+            yield from json_list_records(path, text, problems)
+            return
+        log.info("%s holds JSON lines (one object per line), not a JSON list: read as JSON lines", path)
+    elif data.lstrip()[:1] == b"[":
         raise UserError(
             f"{path} holds a JSON array (it starts with '['), not one conversation per line: "
             "name it .json, or write one JSON object per line"
@@ -150,7 +152,22 @@ def _json_records(path: Path, problems: Problems) -> Iterator[tuple[str, dict]]:
         except json.JSONDecodeError as e:
             problems.report("malformed JSON", f"line {lineno} (col {e.colno}: {e.msg})")
             continue
+        except RecursionError:  # '[[[[...' deeper than Python's JSON reader goes
+            problems.report(TOO_DEEP, f"line {lineno}")
+            continue
         yield f"line {lineno}", record
+
+
+TOO_DEEP = "nested too deeply to read"
+
+
+def _json_lines(text: str) -> bool:
+    """Whether a .json file holds JSON lines (its first line one whole JSON object), not a JSON list."""
+    first = next((line.strip() for line in text.split("\n", 64)[:64] if line.strip()), "")
+    try:
+        return first[:1] == "{" and isinstance(json.loads(first), dict)
+    except (ValueError, RecursionError):
+        return False
 
 
 _WS = re.compile(r"[ \t\n\r]*")
@@ -166,21 +183,30 @@ def json_list_records(path: Path, text: str, problems: Problems) -> Iterator[tup
     dec, end = json.JSONDecoder(), len(text)
     i = _WS.match(text, 0).end()
     if text[i : i + 1] != "[":
-        raise UserError(f"{path}: expected a JSON list of conversations (or use .jsonl)")
+        raise UserError(
+            f"{path}: expected a JSON list of conversations (it starts with {text[i : i + 20]!r}); "
+            "one conversation per line is JSON lines: one whole object on each line, or name the file .jsonl"
+        )
     i = _WS.match(text, i + 1).end()
     n = 0
     while i < end and not (n == 0 and text[i] == "]"):
         try:
             record, i = dec.raw_decode(text, i)
+        except RecursionError:  # deeper than Python's JSON reader goes: skipped to its end, counted
+            problems.report(TOO_DEEP, f"record {n} (line {text.count(chr(10), 0, i) + 1})")
+            record, i = _SKIPPED, _value_end(text, i)
+            if i is None:
+                return
         except json.JSONDecodeError as e:
-            if not _runs_to_eof(text, i):
+            if _value_end(text, i) is not None:
                 raise UserError(f"{path} line {e.lineno}: malformed JSON ({e.msg})") from None
             problems.report(
                 "truncated at end of file",
                 f"record {n} (line {text.count(chr(10), 0, i) + 1}, its last {end - i} characters)",
             )
             return
-        yield f"record {n}", record
+        if record is not _SKIPPED:
+            yield f"record {n}", record
         n += 1
         i = _WS.match(text, i).end()
         if text[i : i + 1] == "]":
@@ -201,19 +227,22 @@ def json_list_records(path: Path, text: str, problems: Problems) -> Iterator[tup
         problems.report("truncated at end of file", f"record {n} (the list is not closed)")
 
 
-def _runs_to_eof(text: str, i: int) -> bool:
-    """Whether the value starting at i is still open at the end of the text (cut off), not closed and
-    malformed."""
+_SKIPPED = object()
+
+
+def _value_end(text: str, i: int) -> int | None:
+    """Where the value starting at i ends (just past its closing bracket); None when it is still open at the
+    end of the text (cut off). A closing bracket first (malformed) ends it at once."""
     depth = 0
     for m in _TOKENS.finditer(text, i):
         t = m.group()
         if t == '"':
-            return True
+            return None
         if t[0] != '"':
             depth += 1 if t in "{[" else -1
             if depth <= 0:
-                return False
-    return True
+                return m.end()
+    return None
 
 
 def _hf_records(path: Path, split: str) -> Iterator[tuple[str, dict]]:
@@ -221,6 +250,12 @@ def _hf_records(path: Path, split: str) -> Iterator[tuple[str, dict]]:
 
     if path.suffix == ".parquet" or (path.is_dir() and any(path.glob("*.parquet"))):
         files = [str(path)] if path.suffix == ".parquet" else sorted(str(p) for p in path.glob("*.parquet"))
+        base = re.match(r"^(\w*)", split).group(1)
+        if base != "train":
+            raise UserError(
+                f"{path}: no split {base!r}; a parquet source has one split, 'train' (take part of it with "
+                "e.g. data.split=train[:90%] or train[100:200])"
+            )
         ds = datasets.load_dataset("parquet", data_files={"train": files}, split=split)
     else:
         try:
@@ -233,6 +268,11 @@ def _hf_records(path: Path, split: str) -> Iterator[tuple[str, dict]]:
                 raise UserError(f"{path}: no split {base!r}; it has {sorted(ds)}")
             ds = ds[base]
         ds = ds.select(_split_indices(len(ds), split))
+    if not {"messages", "conversations"} & set(ds.column_names):
+        raise UserError(
+            f"{path} has columns {sorted(ds.column_names)}: data=hf reads a 'messages' column ([{{role, "
+            "content}]) or 'conversations' ([{from, value}]); rename the column that holds the turns"
+        )
     for i, row in enumerate(ds):
         yield f"row {i}", row
 

@@ -111,7 +111,13 @@ def verify(export_dir: str, target_dir: str, algorithm: str = "EAGLE3") -> dict:
         tensors, not_loaded_by_design={"d2t", "t2d"}, from_target={"model.embed_tokens.weight"}, errors=errors
     )
     hot_ok = None
-    if "d2t" in tensors:
+    if "d2t" not in tensors:  # a full-vocabulary draft: draft id = target id, so no hot_token_id, and the
+        # draft's logits (its LogitsProcessor, over config.draft_vocab_size) span the target's vocabulary
+        from sglang.srt.configs.model_config import ModelConfig
+
+        target_vocab = ModelConfig.from_server_args(args).vocab_size
+        hot_ok = model.hot_token_id is None and model.logits_processor.vocab_size == target_vocab
+    else:
         hot = getattr(model, "hot_token_id", None)
         hot_ok = hot is not None and torch.equal(hot, tensors["d2t"] + torch.arange(len(tensors["d2t"])))
         if hot_ok and "t2d" in tensors:

@@ -180,7 +180,16 @@ def check_export(folder: Path, engine: str, facts: dict, architecture: str = "")
         problems.append(
             f"fc.weight takes {fc.shape[1]} inputs, expected n_aux x hidden = {len(want_ids)} x {hidden}"
         )
-    if "d2t" not in tensors or "t2d" not in tensors:
+    mapping = [k for k in vocab_map.MAPPING if k in tensors]
+    full = isinstance(config.get("draft_vocab_size"), int) and vocab_map.full(config["draft_vocab_size"], V)
+    if full and mapping and engine == "vllm":
+        problems.append(
+            f"{'/'.join(mapping)} in a full-vocabulary draft (draft_vocab_size {V} = the target's): vLLM "
+            "builds no draft_id_to_target_id for it and cannot load a d2t; export without them"
+        )
+    elif full and not mapping:
+        pass  # draft id = target id: neither engine wants a d2t (vocab_map.full)
+    elif len(mapping) < 2:
         problems.append("d2t/t2d missing")
     else:
         try:

@@ -77,7 +77,14 @@ def verify(export_dir: str, target_dir: str) -> dict:
         tensors, not_loaded_by_design={"t2d"}, from_target={"model.embed_tokens.weight"}, errors=errors
     )
     mapping_ok = None
-    if "t2d" in tensors and model.draft_id_to_target_id is not None:  # compute_logits: arange + d2t
+    if "d2t" not in tensors:  # a full-vocabulary draft: vLLM's compute_logits maps nothing (draft id = target
+        # id) when it built no draft_id_to_target_id (draft_vocab_size == the target's vocabulary), and it
+        # asserts that the logits are as wide as the draft config's vocab_size
+        c = model.config
+        mapping_ok = model.draft_id_to_target_id is None and (
+            c.draft_vocab_size == c.vocab_size == spec.target_model_config.get_vocab_size()
+        )
+    elif "t2d" in tensors and model.draft_id_to_target_id is not None:  # compute_logits: arange + d2t
         targets = torch.arange(len(model.draft_id_to_target_id)) + model.draft_id_to_target_id
         t2d = tensors["t2d"]
         mapping_ok = bool(targets.min() >= 0 and targets.max() < len(t2d)) and torch.equal(

@@ -19,14 +19,41 @@ own classes.
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
+from pipeline.errors import UserError
+from pipeline.formats import faults, file_digest
+
 SCHEMA_VERSION = 1
 MANIFEST = "export_manifest.json"  # an export's provenance, numbering, tensor table, serve record
+# The files whose sha256 the manifest records (`files`) when the export is published (serve.sh again when
+# tune-serve rewrites it); `damage` checks them before the export is taken as fresh or read.
+FILES = ("model.safetensors", "config.json", "serve.sh")
+
+
+def record_files(folder, manifest: dict, names: tuple[str, ...] = FILES) -> None:
+    """manifest["files"]: the sha256 of `names` in folder, as they are now."""
+    manifest["files"] = {**manifest.get("files", {}), **file_digest.record(folder, list(names))}
+
+
+def damage(folder) -> str | None:
+    """What is wrong with a published export (None: intact): its manifest unreadable or without the files'
+    sha256, a file missing, cut short or changed since it was published. Reads every byte (file_digest)."""
+    folder = Path(folder)
+    try:
+        recorded = json.loads((folder / MANIFEST).read_text()).get("files")
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError):
+        return f"{folder / MANIFEST} cannot be read"
+    if not recorded:
+        return f"{folder / MANIFEST} records no sha256 of the files (an export of an older eaglepipe)"
+    found = file_digest.problems(folder, recorded)
+    return "; ".join(f"{folder}/{p}" for p in found) or None
 
 
 # The draft's parameters (speculators names) that are the target's, not the draft's: the embedding (every
@@ -276,3 +303,20 @@ def sglang_config(
 def sglang_tensors(weights: dict) -> dict:
     """speculators' draft-owned tensors under SGLang's parameter names (what the export writes)."""
     return {speculators_to_sglang_name(k): v for k, v in draft_owned(weights).items()}
+
+
+def read_sglang(folder) -> tuple[dict, dict]:
+    """An SGLang export's (tensors, config.json), as evaluate reads them: a file that cannot be read, or
+    tensors in another layout than `sglang_tensors` writes (vLLM's `layers.0.*`), is one line naming it and
+    the fix."""
+    folder = Path(folder)
+    fix = f"export it again: delete {folder} and rerun stage=export"
+    config = faults.read_json(folder / "config.json", fix)
+    tensors = faults.load_safetensors(folder / "model.safetensors", fix)
+    if not any(k.startswith("midlayer.") for k in tensors):
+        layout = "vLLM / speculators" if any(k.startswith("layers.0.") for k in tensors) else "an unknown"
+        raise UserError(
+            f"{folder / 'model.safetensors'}: its layer is not named midlayer.* (the SGLang layout evaluate "
+            f"reads) but {'layers.0.*' if layout[0] == 'v' else 'otherwise'} ({layout} layout): {fix}"
+        )
+    return tensors, config

@@ -18,7 +18,8 @@ A shard is written as `shard-XXXXX.zarr.tmp`, renamed when complete, and only th
 that looks complete. Every chunk ends with a crc32c of its encoded bytes (zarr's own `crc32c` codec, last
 in each array's codec chain; every chunk is written, even an all-zero one), so a flipped bit, a truncated
 chunk or a missing chunk file stops the reader (ChunkError) instead of feeding changed values to training;
-`verify_store` checks every chunk. Pure module: no Hydra, no globals.
+store_check.py checks every chunk, and rebuilds a damaged manifest from the shards. Pure module: no Hydra, no
+globals.
 """
 
 from __future__ import annotations
@@ -50,17 +51,38 @@ ID_CHUNK_TOKENS = 16384
 MANIFEST = "manifest.json"
 LOCK = ".manifest.lock"  # held while the manifest is read, changed and replaced (several writer processes)
 ARRAYS = ("input_ids", "loss_mask", "offsets", "aux_hidden", "last_hidden")
+SHARD_KEYS = {"name", "sample_start", "sample_end", "num_tokens"}  # a shard's entry in the manifest
+# what zarr raises on a damaged zarr.json (cut short, emptied, other keys): json.JSONDecodeError and its
+# MetadataValidationError are ValueErrors; a missing key, a wrong node type, null
+METADATA_ERRORS = (OSError, ValueError, TypeError, KeyError, AttributeError)
 
 
 class StoreError(Exception):
     """The store on disk does not match what the caller expects (stages turn this into a UserError)."""
 
 
-class ChunkError(StoreError):
-    """A committed chunk is damaged, truncated or missing: its shard must be extracted again."""
+class Damaged(StoreError):
+    """A file of the store is damaged: the message names it and the fix, and is said as it is (one line)."""
+
+
+class ManifestDamaged(Damaged):
+    """manifest.json cannot be read (cut short, emptied, not its shape): `extract.repair=true` rebuilds it."""
+
+    def __init__(self, path: Path, what: str):
+        self.path, self.what, run_dir = path, what, Path(path).parent.parent
+        super().__init__(
+            f"{path} is damaged ({what}): rebuild it from the shards that verify with `eaglepipe "
+            f"stage=extract extract.repair=true run_dir={run_dir}` plus the run's own overrides (it extracts "
+            f"the others again); `eaglepipe check-store run_dir={run_dir}` lists them"
+        )
+
+
+class ChunkError(Damaged):
+    """A committed chunk (or a shard's metadata) is damaged, truncated or missing: its shard must be extracted
+    again."""
 
     def __init__(self, root: Path, shard: str, array: str, what: str):
-        self.shard, self.array = shard, array
+        self.shard, self.array, self.what = shard, array, what
         super().__init__(
             f"feature store {root}: {shard}/{array}: {what}; re-extract the damaged shards with "
             f"`eaglepipe stage=extract extract.repair=true run_dir={Path(root).parent}` (plus the "
@@ -135,9 +157,19 @@ def decode_fp8(bits: np.ndarray, scale: np.ndarray) -> torch.Tensor:
 # ----------------------------------------------------------------------------------------------- manifest
 def read_manifest(root: Path) -> dict | None:
     path = Path(root) / MANIFEST
+    if Path(root).exists() and not Path(root).is_dir():
+        raise Damaged(
+            f"{root} is a file, not a directory: the feature store is a folder; move the file away (or "
+            "delete it) and run stage=extract"
+        )
     if not path.exists():
         return None
-    manifest = json.loads(path.read_text())
+    try:
+        manifest = json.loads(path.read_text())
+    except (OSError, ValueError) as e:  # cut short, emptied, not text (JSONDecodeError, UnicodeDecodeError)
+        raise ManifestDamaged(path, f"{type(e).__name__}: {e}") from None
+    if not isinstance(manifest, dict):
+        raise ManifestDamaged(path, f"a JSON {type(manifest).__name__}, not an object")
     if manifest.get("format") == FORMAT and manifest.get("schema_version") == 1:
         raise StoreError(
             f"{path}: schema 1, written by an eaglepipe before chunk checksums; this eaglepipe reads "
@@ -148,6 +180,11 @@ def read_manifest(root: Path) -> dict | None:
             f"{path}: format {manifest.get('format')!r} schema {manifest.get('schema_version')!r}; "
             f"this eaglepipe reads {FORMAT!r} schema {SCHEMA_VERSION}"
         )
+    entries = manifest.get("shards")
+    if not isinstance(manifest.get("facts"), dict) or not (
+        isinstance(entries, list) and all(isinstance(s, dict) and SHARD_KEYS <= set(s) for s in entries)
+    ):
+        raise ManifestDamaged(path, "its facts or its shard list are not what extract writes")
     return manifest
 
 
@@ -217,21 +254,19 @@ class FeatureStore(FactsView):
 
     def _group(self, name: str):
         if name not in self._groups:
-            try:
-                g = zarr.open_group(str(self.root / name), mode="r")
-            except (FileNotFoundError, ValueError, KeyError) as e:
-                raise ChunkError(
-                    self.root, name, "(group)", f"cannot be opened ({type(e).__name__}: {e})"
-                ) from None
+            # the array handles, opened once: opening one parses its metadata (~1 ms, 20% of a loader's read
+            # time when it happened per read: scripts/bench/loader_read.py)
+            g, handles = open_group(self.root, name), {}
             for array in arrays(self.facts):
-                missing = missing_chunks(self.root / name, g, array) if array in g else ["the whole array"]
-                if missing:
+                try:
+                    handles[array] = g[array]
+                except METADATA_ERRORS as e:
+                    raise ChunkError(self.root, name, array, metadata_problem(e)) from None
+                if missing := missing_chunks(self.root / name, g, array):
                     raise ChunkError(
                         self.root, name, array, f"{len(missing)} chunk file(s) missing ({missing[0]})"
                     )
-            # the array handles, opened once: opening one parses its metadata (~1 ms, 20% of a loader's read
-            # time when it happened per read: scripts/bench/loader_read.py)
-            self._groups[name] = {array: g[array] for array in arrays(self.facts)}
+            self._groups[name] = handles
             self._offsets[name] = _read(self.root, name, g, "offsets", slice(None))
         return self._groups[name], self._offsets[name]
 
@@ -318,7 +353,7 @@ def _read(root: Path, shard: str, group, array: str, rows: slice) -> np.ndarray:
     except (ValueError, RuntimeError) as e:  # crc32c: ValueError "checksum do not match"; Blosc: RuntimeError
         start, stop, _ = rows.indices(arr.shape[0])
         n = arr.chunks[0]
-        bad = [i for i in range(start // n, (stop - 1) // n + 1) if _chunk_fails(arr, i)]
+        bad = [i for i in range(start // n, (stop - 1) // n + 1) if chunk_fails(arr, i)]
         raise ChunkError(
             root,
             shard,
@@ -328,7 +363,7 @@ def _read(root: Path, shard: str, group, array: str, rows: slice) -> np.ndarray:
         ) from None
 
 
-def _chunk_fails(arr, i: int) -> bool:
+def chunk_fails(arr, i: int) -> bool:
     try:
         arr[i * arr.chunks[0] : (i + 1) * arr.chunks[0]]
         return False
@@ -343,42 +378,16 @@ def missing_chunks(shard_dir: Path, group, array: str) -> list[str]:
     return [f"{array}/{k}" for k in keys if not (Path(shard_dir) / array / k).is_file()]
 
 
-def verify_store(root: Path | str) -> list[dict]:
-    """Read and check every chunk of every committed shard; one {shard, array, chunk, problem} per bad
-    chunk."""
-    root = Path(root)
-    manifest = read_manifest(root)
-    if manifest is None:
-        raise StoreError(f"no feature store at {root} (no {MANIFEST})")
-    bad = []
-    for s in manifest["shards"]:
-        try:
-            group = zarr.open_group(str(root / s["name"]), mode="r")
-        except (FileNotFoundError, ValueError, KeyError) as e:
-            bad.append(
-                {"shard": s["name"], "array": "(group)", "chunk": None, "problem": f"cannot be opened: {e}"}
-            )
-            continue
-        for array in arrays(manifest["facts"]):
-            if array not in group:
-                bad.append({"shard": s["name"], "array": array, "chunk": None, "problem": "array missing"})
-                continue
-            missing = set(missing_chunks(root / s["name"], group, array))
-            arr = group[array]
-            for i in range(arr.cdata_shape[0]):
-                key = f"{array}/{arr.metadata.encode_chunk_key((i,) + (0,) * (arr.ndim - 1))}"
-                if key in missing:
-                    bad.append(
-                        {"shard": s["name"], "array": array, "chunk": i, "problem": "chunk file missing"}
-                    )
-                    continue
-                if _chunk_fails(arr, i):
-                    bad.append(
-                        {
-                            "shard": s["name"],
-                            "array": array,
-                            "chunk": i,
-                            "problem": f"fails its {CHECKSUM} check (damaged or truncated)",
-                        }
-                    )
-    return bad
+def metadata_problem(e: BaseException) -> str:
+    """What a METADATA_ERRORS exception of opening a shard's group or array says about its zarr.json."""
+    if isinstance(e, KeyError):
+        return "array missing (no zarr.json)"
+    return f"zarr.json cannot be read ({type(e).__name__}: {' '.join(str(e).split())[:160]})"
+
+
+def open_group(root: Path, name: str):
+    """A committed shard's zarr group; its zarr.json damaged or gone is a ChunkError naming the shard."""
+    try:
+        return zarr.open_group(str(Path(root) / name), mode="r")
+    except METADATA_ERRORS as e:
+        raise ChunkError(Path(root), name, "(group)", metadata_problem(e)) from None

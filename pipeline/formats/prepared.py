@@ -12,6 +12,7 @@ import shutil
 from pathlib import Path
 
 from pipeline.errors import UserError
+from pipeline.formats import faults
 
 SCHEMA_VERSION = 1
 
@@ -52,10 +53,14 @@ def heldout_samples(run_dir: Path | str) -> list[int] | None:
     path = folder(run_dir) / STATS
     if not path.is_file():
         return None
-    ids = json.loads(path.read_text()).get("heldout_samples") or []
+    ids = faults.read_json(path, _fix(path.parent)).get("heldout_samples") or []
     if not all(isinstance(i, int) and i >= 0 for i in ids):
         raise UserError(f"{path}: heldout_samples must be sample ids (ints >= 0); rerun stage=prepare")
     return ids
+
+
+def _fix(out: Path) -> str:
+    return f"delete {out} and rerun stage=prepare"
 
 
 def load(run_dir: Path | str, limit: int | None = None):
@@ -65,12 +70,13 @@ def load(run_dir: Path | str, limit: int | None = None):
     out = folder(run_dir)
     if not (out / STATS).is_file():
         raise UserError(f"no prepared data under {out}; run stage=prepare first")
-    stats = json.loads((out / STATS).read_text())
+    stats = faults.read_json(out / STATS, _fix(out))
     if stats.get("schema_version") != SCHEMA_VERSION:
         raise UserError(
             f"{out} has schema {stats.get('schema_version')}, expected {SCHEMA_VERSION}; rerun stage=prepare"
         )
-    ds = datasets.load_from_disk(str(out))
+    with faults.reading(f"{out} (its arrow files)", _fix(out)):
+        ds = datasets.load_from_disk(str(out))
     if limit is not None:
         ds = ds.select(range(min(limit, len(ds))))
     return ds, stats

@@ -100,6 +100,13 @@ class RunDir:
         return self.root / "stages.json"
 
     @property
+    def lock(self) -> Path:
+        """Who runs in this run dir now (formats/run_lock.py): one run at a time."""
+        from pipeline.formats import run_lock
+
+        return run_lock.path(self.root)
+
+    @property
     def summary_md(self) -> Path:
         return self.root / "summary.md"
 
@@ -110,6 +117,8 @@ class RunDir:
 
         try:
             store = fs.FeatureStore(self.features)
+        except fs.Damaged as e:  # its message carries its own fix
+            raise UserError(str(e)) from None
         except fs.StoreError as e:
             raise UserError(f"{e}; run stage=extract first") from None
         if complete and not store.manifest.get("complete"):

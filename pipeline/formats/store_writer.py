@@ -77,9 +77,9 @@ def open_for_writing(root: Path, facts: dict, overwrite: bool = False) -> dict:
     try:
         manifest = read_manifest(root) if root.exists() else None
     except StoreError:
-        if not overwrite:
+        if not overwrite or not root.is_dir():  # a file where the store belongs is not ours to delete
             raise
-        shutil.rmtree(root)  # another schema, replaced on request
+        shutil.rmtree(root)  # another schema or a damaged manifest, replaced on request
         manifest = None
     if manifest is not None and manifest["facts"] != facts:
         if not overwrite:

@@ -19,7 +19,9 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
+
+from pipeline.formats import faults
 
 SCHEMA_VERSION = 1
 FORMAT = "eaglepipe-vocab"
@@ -31,6 +33,25 @@ class VocabError(Exception):
 
 MANIFEST = "manifest.json"  # written last: its presence means the vocab is complete
 REPORT = "report.json"  # the vocab stage's coverage report
+MAPPING = ("d2t", "t2d")  # the draft's vocabulary-mapping tensors, beside its weights
+
+
+def full(draft_vocab_size: int, target_vocab_size: int) -> bool:
+    """A draft over the whole target vocabulary (TorchSpec trains Kimi drafts so): draft id = target id, and
+    the draft's weights carry no d2t/t2d. speculators registers none (`use_draft_vocab` False); SGLang reads
+    none (llama_eagle3 / kimi_k25_eagle3: d2t "absent in checkpoints whose draft_vocab_size equals
+    vocab_size", hot_token_id stays None); vLLM builds no `draft_id_to_target_id` and its loader has nowhere
+    to put a d2t. vocab/ still holds the identity map (d2t all 0, t2d all true), as for any size."""
+    return draft_vocab_size == target_vocab_size
+
+
+def matches(weights: dict, d2t: torch.Tensor, t2d: torch.Tensor) -> bool:
+    """Whether a trained draft's weights carry this vocabulary: its d2t/t2d, or none if it is `full`."""
+    if full(len(d2t), len(t2d)):
+        return not any(k in weights for k in MAPPING)
+    return all(k in weights for k in MAPPING) and (
+        torch.equal(weights["d2t"], d2t) and torch.equal(weights["t2d"], t2d)
+    )
 
 
 def build(freq: np.ndarray, draft_vocab_size: int) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -97,9 +118,15 @@ def load(out: Path) -> tuple[torch.Tensor, torch.Tensor, dict]:
     out = Path(out)
     if not (out / MANIFEST).is_file():
         raise VocabError(f"no draft vocabulary at {out}")
-    manifest = json.loads((out / MANIFEST).read_text())
+    fix = f"delete {out} and rerun stage=vocab (it builds it again from the feature store)"
+    manifest = faults.read_json(out / MANIFEST, fix)
     if manifest.get("format") != FORMAT or manifest.get("schema_version") != SCHEMA_VERSION:
         raise VocabError(f"{out}: not an {FORMAT} schema {SCHEMA_VERSION} folder")
-    tensors = load_file(str(out / "vocab.safetensors"))
-    validate(tensors["d2t"], tensors["t2d"], manifest["target_vocab_size"], manifest["draft_vocab_size"])
+    tensors = faults.load_safetensors(out / "vocab.safetensors", fix)
+    if missing := [k for k in ("d2t", "t2d") if k not in tensors]:
+        raise faults.damaged(out / "vocab.safetensors", fix, f"no {' or '.join(missing)} in it")
+    try:  # held when it was written: a changed byte breaks the offset table
+        validate(tensors["d2t"], tensors["t2d"], manifest["target_vocab_size"], manifest["draft_vocab_size"])
+    except VocabError as e:
+        raise faults.damaged(out / "vocab.safetensors", fix, str(e)) from None
     return tensors["d2t"], tensors["t2d"], manifest

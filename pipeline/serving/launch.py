@@ -34,24 +34,26 @@ def settings(serve) -> dict:
 
 
 def serve_command(engine: str, target: str, export: Path, serve) -> str:
+    """The launch line, every path and the JSON shell-quoted (a run dir with a space stays one argument)."""
     s = settings(serve)
     extra = s[f"{engine}_args"]
     tail = (" " + shlex.join(extra)) if extra else ""
+    target, draft = shlex.quote(str(target)), shlex.quote(str(export))
     if engine == "sglang":
         return (
             f"python -m sglang.launch_server --model-path {target} --speculative-algorithm EAGLE3 "
-            f"--speculative-draft-model-path {export} --speculative-num-steps {s['num_steps']} "
+            f"--speculative-draft-model-path {draft} --speculative-num-steps {s['num_steps']} "
             f"--speculative-eagle-topk {s['topk']} --speculative-num-draft-tokens {s['num_draft_tokens']} "
             f"--dtype bfloat16{tail}"
         )
     spec = json.dumps({"method": "eagle3", "model": str(export), "num_speculative_tokens": s["num_steps"]})
-    return f"vllm serve {target} --speculative-config '{spec}' --dtype bfloat16{tail}"
+    return f"vllm serve {target} --speculative-config {shlex.quote(spec)} --dtype bfloat16{tail}"
 
 
 def plain_command(target: str, serve) -> str:
     """The same SGLang server without speculation: the baseline a speedup is measured against."""
     extra = settings(serve)["sglang_args"]
-    return f"python -m sglang.launch_server --model-path {target} --dtype bfloat16" + (
+    return f"python -m sglang.launch_server --model-path {shlex.quote(str(target))} --dtype bfloat16" + (
         (" " + shlex.join(extra)) if extra else ""
     )
 
@@ -107,6 +109,8 @@ def write_serve(
         path = folder / lay.MANIFEST
         data = json.loads(path.read_text())
         data["serve"] = record
+        if "files" in data:  # the sha256 the export recorded for serve.sh: this one's now
+            lay.record_files(folder, data, ("serve.sh",))
         tmp = path.with_suffix(".json.tmp")
         tmp.write_text(json.dumps(data, indent=1))
         os.replace(tmp, path)

@@ -19,6 +19,7 @@ import logging
 from contextlib import nullcontext
 from pathlib import Path
 
+from pipeline import config_limits
 from pipeline.acceptance import offline as offline_bench
 from pipeline.acceptance.prompts import heldout_prompts, set_prompts
 from pipeline.capture import features
@@ -26,6 +27,7 @@ from pipeline.data import prompt_sets
 from pipeline.errors import UserError
 from pipeline.fingerprint import digest, shaping
 from pipeline.formats import eval_reports
+from pipeline.formats import export_layouts as lay
 from pipeline.formats.run_dir import RunDir
 from pipeline.serving import bench as online_bench
 
@@ -64,18 +66,13 @@ def is_complete(cfg) -> bool:
 
 def check(cfg) -> None:
     """Every problem with the eval settings, before acceptance.json / online.json is replaced."""
-    e, problems = cfg.eval, []
-    for key in ("num_prompts", "max_new_tokens", "max_draft", "repeats", "batch_size", "first_answer_tokens"):
-        if e[key] < 1:
-            problems.append(f"eval.{key}={e[key]} must be >= 1")
-    if not e.concurrency or min(e.concurrency) < 1 or len(set(e.concurrency)) != len(e.concurrency):
+    e, problems = cfg.eval, []  # ranges: config_limits, checked before every stage's check
+    if not e.concurrency or len(set(e.concurrency)) != len(e.concurrency):
         problems.append(
             f"eval.concurrency={list(e.concurrency)}: a list of distinct numbers >= 1, e.g. [1,8,32]"
         )
-    if e.warmup_prompts < 0:
-        problems.append(f"eval.warmup_prompts={e.warmup_prompts} must be >= 0")
-    if e.prompt_tokens < 2:
-        problems.append(f"eval.prompt_tokens={e.prompt_tokens} must be >= 2")
+    if not e.endpoint and (problem := config_limits.cuda_missing("eval.device", e.device)):
+        problems.append(problem)
     unknown = [n for n in e.sets if n not in prompt_sets.names()]
     if unknown or not e.sets or len(set(e.sets)) != len(e.sets):
         problems.append(
@@ -90,6 +87,8 @@ def run(cfg) -> Path:
     e, rd = cfg.eval, RunDir.of(cfg)
     if not e.endpoint and not rd.export_manifest("sglang").is_file():  # what offline reads
         raise UserError(f"no SGLang export under {rd.export('sglang')}; run stage=export first")
+    if not e.endpoint and (problem := lay.damage(rd.export("sglang"))):
+        raise UserError(f"the SGLang export is damaged: {problem}; rerun stage=export (it exports it again)")
     store = features.open_source(cfg)
     # online: the server's own acceptance counters; offline: the greedy chain against the local target
     bench = online_bench if e.endpoint else offline_bench

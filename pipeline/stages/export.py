@@ -54,7 +54,14 @@ def fingerprint(cfg) -> str:
 
 
 def is_complete(cfg) -> bool:
-    return all(RunDir.of(cfg).export_manifest(e).is_file() for e in cfg.export.engines)
+    """Every engine's export published and as it was then (lay.damage); a damaged one is exported again."""
+    for engine in cfg.export.engines:
+        if not RunDir.of(cfg).export_manifest(engine).is_file():
+            return False
+        if problem := lay.damage(RunDir.of(cfg).export(engine)):
+            log.warning("export/%s is damaged (%s): exporting it again", engine, problem)
+            return False
+    return True
 
 
 def check(cfg) -> None:
@@ -72,10 +79,6 @@ def check(cfg) -> None:
             f"is verified against {', '.join(layout.engines)} only; set "
             f"export.engines=[{','.join(layout.engines)}]"
         )
-    s = cfg.export.serve
-    for key in ("num_steps", "topk", "num_draft_tokens"):
-        if s[key] < 1:
-            problems.append(f"export.serve.{key}={s[key]} must be >= 1 (it goes into serve.sh)")
     if problems:
         raise UserError("; ".join(problems))
 
@@ -134,7 +137,7 @@ def run(cfg) -> Path:
             f"trained draft has aux ids {draft_cfg['eagle_aux_hidden_state_layer_ids']}, the feature "
             f"store {store.aux_layer_ids}; retrain"
         )
-    if not (torch.equal(weights["d2t"], d2t) and torch.equal(weights["t2d"], t2d)):
+    if not vocab_map.matches(weights, d2t, t2d):  # a full vocabulary: no d2t/t2d in weights nor export
         raise UserError(f"the trained draft's d2t/t2d differ from {cfg.run_dir}/vocab; retrain")
     tensors = {
         k: (v.to(torch.bfloat16) if v.is_floating_point() else v) for k, v in lay.draft_owned(weights).items()
@@ -201,6 +204,7 @@ def _publish(cfg, engine: str, tensors: dict, provenance: dict, draft_cfg: dict,
     launch.write_serve(
         tmp, engine, store.facts["target_path"], out, cfg.export.serve, {"by": "config"}, manifest
     )
+    lay.record_files(tmp, manifest)  # the sha256 is_complete and evaluate check before they trust it
     (tmp / lay.MANIFEST).write_text(json.dumps(manifest, indent=1))
     problems, report = verify.verify_export(
         tmp,

@@ -15,6 +15,7 @@ import numpy as np
 from omegaconf import OmegaConf
 
 from pipeline import __version__
+from pipeline.corpora import EMBEDDED
 from pipeline.data import leaks, mixture
 from pipeline.data.chat_tokens import cut_long_prompts, cut_turns, tokenize_all
 from pipeline.data.mixture import load_conversations
@@ -44,20 +45,14 @@ def out_dir(cfg) -> Path:
 
 
 def check(cfg) -> None:
-    problems = []
-    if cfg.prepare.max_len < 2:
-        problems.append(f"prepare.max_len={cfg.prepare.max_len}: must be >= 2")
+    problems = []  # ranges: config_limits, checked before every stage's check
+    if unknown := [x for x in cfg.data.extra_sources if x not in EMBEDDED]:
+        problems.append(f"data.extra_sources: {unknown} not among the embedded sources {sorted(EMBEDDED)}")
     if cfg.prepare.regenerate_endpoint and not cfg.prepare.regenerate:
         problems.append(
             "prepare.regenerate_endpoint is set but prepare.regenerate=false; set regenerate=true"
         )
     problems += _check_generation(cfg.prepare)
-    if cfg.prepare.max_assistant_turns is not None and cfg.prepare.max_assistant_turns < 1:
-        problems.append(
-            f"prepare.max_assistant_turns={cfg.prepare.max_assistant_turns}: must be >= 1 or null (all turns)"
-        )
-    if cfg.data.limit is not None and cfg.data.limit < 1:
-        problems.append(f"data.limit={cfg.data.limit}: must be >= 1 or null")
     if str(getattr(cfg.data.format, "value", cfg.data.format)) == "mix":
         problems += mixture.check(cfg.data)
     elif cfg.data.sources:
@@ -98,16 +93,14 @@ def _check_generation(p) -> list[str]:
         problems.append(
             f"prepare.regenerate_server.engine={server} but prepare.regenerate=false; set regenerate=true"
         )
-    if p.synthesize < 0:
-        problems.append(f"prepare.synthesize={p.synthesize}: must be >= 0")
     if p.synthesize and not p.regenerate:
         problems.append(
             "prepare.synthesize needs prepare.regenerate=true (the target answers its own prompts)"
         )
-    if p.endpoint_concurrency < 1 or p.endpoint_retries < 0:
+    if p.synthesize_min_chars > p.synthesize_max_chars:
         problems.append(
-            f"prepare.endpoint_concurrency={p.endpoint_concurrency} (>= 1), "
-            f"prepare.endpoint_retries={p.endpoint_retries} (>= 0)"
+            f"prepare.synthesize_min_chars={p.synthesize_min_chars} > prepare.synthesize_max_chars="
+            f"{p.synthesize_max_chars}: every synthesized prompt would be filtered out"
         )
     return problems
 

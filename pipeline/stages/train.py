@@ -9,10 +9,12 @@ CPU) -> train/final/ (speculators save_pretrained) + metrics.jsonl + plots/ (+ w
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 
 import torch
 
+from pipeline import config_limits
 from pipeline.capture import features
 from pipeline.config_choices import Select
 from pipeline.errors import UserError
@@ -33,50 +35,24 @@ def out_dir(cfg) -> Path:
 
 
 def check(cfg) -> None:
-    t, problems = cfg.train, []
-    for key in (
-        "ttt_steps",
-        "tokens_per_pack",
-        "grad_accum",
-        "epochs",
-        "keep_last",
-        "log_every_steps",
-        "val_every_steps",
-        "save_every_steps",
-    ):
-        if t[key] < 1:
-            problems.append(f"train.{key}={t[key]} must be >= 1")
-    if t.max_steps is not None and t.max_steps < 1:
-        problems.append(f"train.max_steps={t.max_steps} must be >= 1 (or null: epochs x packs / grad_accum)")
-    if t.split_context is not None and not 0 <= t.split_context < max(t.tokens_per_pack, 1):
+    t, problems = cfg.train, []  # ranges and closed sets: config_limits, checked before every stage's check
+    if t.split_context is not None and t.split_context >= t.tokens_per_pack:
         problems.append(
             f"train.split_context={t.split_context} must be in [0, train.tokens_per_pack="
             f"{t.tokens_per_pack}) (or null: a quarter of it)"
         )
-    if not t.lr > 0:
-        problems.append(f"train.lr={t.lr} must be > 0")
-    if t.warmup_steps < 0:
-        problems.append(f"train.warmup_steps={t.warmup_steps} must be >= 0")
-    if t.max_grad_norm is not None and t.max_grad_norm < 0:  # a negative norm flips the clipped gradient
-        problems.append(f"train.max_grad_norm={t.max_grad_norm} must be > 0 (or 0 / null: no clipping)")
-    if str(t.device).startswith("cuda") and not torch.cuda.is_available():
-        problems.append(f"train.device={t.device} but this machine has no CUDA; use train.device=auto or cpu")
-    if len(t.adam_betas) != 2 or not all(0 <= b < 1 for b in t.adam_betas):
+    if problem := config_limits.cuda_missing("train.device", t.device):
+        problems.append(problem)
+    if len(t.adam_betas) != 2:
         problems.append(f"train.adam_betas={list(t.adam_betas)} must be two values in [0, 1) (beta1, beta2)")
-    if t.loss_chunk_tokens is not None and t.loss_chunk_tokens < 1:
-        problems.append(
-            f"train.loss_chunk_tokens={t.loss_chunk_tokens} must be >= 1 (or null: speculators' eager loss)"
-        )
-    if t.eval_tau_every_steps is not None and t.eval_tau_every_steps < 1:
-        problems.append(f"train.eval_tau_every_steps={t.eval_tau_every_steps} must be >= 1 (or null: off)")
+    if problem := _wandb_key_missing(t.wandb):
+        problems.append(problem)
     if t.select == Select.tau and t.eval_tau_every_steps is None:
         problems.append(
             "train.select=tau picks the step of the highest tau: set train.eval_tau_every_steps too"
         )
     if problem := features.online_problem(cfg):
         problems.append(problem)
-    if not 0 <= t.val_fraction < 1:
-        problems.append(f"train.val_fraction={t.val_fraction} must be in [0, 1)")
     if t.attn_implementation not in draft.ATTENTION:
         problems.append(
             f"train.attn_implementation={t.attn_implementation!r} is not one of {list(draft.ATTENTION)}"
@@ -90,6 +66,19 @@ def check(cfg) -> None:
         )
     if problems:
         raise UserError("; ".join(problems))
+
+
+def _wandb_key_missing(w) -> str | None:
+    """wandb online without an API key: wandb.init asks on the terminal (a batch job hangs) or fails late."""
+    if str(getattr(w.mode, "value", w.mode)) != "online" or os.environ.get("WANDB_API_KEY"):
+        return None
+    netrc = Path(os.environ.get("NETRC", Path.home() / ".netrc"))
+    if netrc.is_file() and "api.wandb.ai" in netrc.read_text(errors="replace"):
+        return None
+    return (
+        "train.wandb.mode=online but no wandb key here (WANDB_API_KEY or `wandb login`): log in, or set "
+        "train.wandb.mode=offline (wandb sync later)"
+    )
 
 
 def fingerprint(cfg) -> str:

@@ -48,7 +48,16 @@ def fingerprint(cfg) -> str:
 
 
 def is_complete(cfg) -> bool:
-    return RunDir.of(cfg).vocab_manifest.is_file()
+    """The manifest (written last) and the tables it vouches for, readable and valid: a vocab damaged after
+    it was built (vocab.safetensors removed or truncated) is built again, never skipped as up to date."""
+    from safetensors import SafetensorError
+
+    try:
+        vocab_map.load(out_dir(cfg))
+    except (vocab_map.VocabError, UserError, OSError, ValueError, KeyError, SafetensorError) as e:
+        log.warning("stage vocab: %s cannot be read (%s): building it again", out_dir(cfg), e)
+        return False
+    return True
 
 
 def run(cfg) -> Path:

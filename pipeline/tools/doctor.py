@@ -15,6 +15,7 @@ from pathlib import Path
 
 from pipeline.engines.verify import check_export, export_architecture, read_export
 from pipeline.errors import UserError
+from pipeline.models import targets
 
 log = logging.getLogger(__name__)
 
@@ -70,21 +71,50 @@ def launched_engine(argv: list[str]) -> str | None:
     return None
 
 
+def launched_target(line: str) -> str | None:
+    """The target a launch line serves: --model-path / --model (SGLang, vLLM's module entry point), or the
+    word after `vllm serve`."""
+    argv = shlex.split(line)
+    for i, a in enumerate(argv):
+        key, eq, value = a.partition("=")
+        if key.replace("_", "-") in ("--model-path", "--model"):
+            return value if eq else (argv[i + 1] if i + 1 < len(argv) else None)
+    program = argv[: next((i for i, a in enumerate(argv) if a.startswith("--")), len(argv))]
+    if "serve" in program and program.index("serve") + 1 < len(program):
+        return program[program.index("serve") + 1]
+    return None
+
+
+def same_target(path: str, manifest: dict) -> bool:
+    """`path` is the export's target: the same folder, or a folder of the same content (its fingerprint)."""
+    folder, own = Path(path).expanduser(), Path(manifest["target_path"])
+    if folder.resolve() == own.resolve():
+        return True
+    return (folder / "config.json").is_file() and targets.fingerprint(folder) == manifest.get(
+        "target_fingerprint"
+    )
+
+
 def read_server(url: str) -> dict:
     """engine, algorithm, draft path of a RUNNING SGLang server, from its resolved server args
     (`GET /server_info`, the older `/get_server_info`: sglang/srt/utils/common.py::build_server_info)."""
     import httpx
+
+    from pipeline.serving.endpoint import answer_json, shown
 
     url = url.rstrip("/")
     try:
         for path in ("/server_info", "/get_server_info"):
             r = httpx.get(url + path, timeout=30)
             if r.status_code == 200:
-                info = r.json()
+                info = answer_json(r, url, f"GET {path}")  # not UTF-8, not JSON: one line
+                if not isinstance(info, dict):
+                    raise UserError(f"doctor: {url}: GET {path} answered {shown(r.content)}, not an object")
                 return {
                     "engine": "sglang",
                     "algorithm": info.get("speculative_algorithm"),
                     "draft": info.get("speculative_draft_model_path"),
+                    "target": info.get("model_path"),
                 }
     except httpx.HTTPError as e:
         raise UserError(f"doctor: {url}: {type(e).__name__}: {e}; is the server running?") from None
@@ -108,6 +138,13 @@ def diagnose(export_dir: Path, line: str | None = None, server: str | None = Non
         )
     if not launch["draft"] or Path(launch["draft"]).resolve() != export_dir.resolve():
         findings.append(f"the draft path {launch['draft']!r} is not this export -> point it at {export_dir}")
+    served = launch.get("target") if server else launched_target(line)
+    if served and not same_target(served, manifest):
+        flag = "--model-path " if launch["engine"] == "sglang" else "vllm serve "
+        findings.append(
+            f"the server's target {served!r} is not the export's target {manifest['target_path']} (the draft "
+            f"was trained on its hidden states) -> {flag}{manifest['target_path']}"
+        )
     if manifest["engine"] != launch["engine"]:
         findings.append(
             f"this export is in {manifest['engine']}'s layout but the line starts {launch['engine']} -> "

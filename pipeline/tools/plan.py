@@ -52,11 +52,7 @@ def shape_of(cfg) -> memory.DraftShape:
 
 
 def compute(cfg) -> dict:
-    p = cfg.plan
-    if p.world_size < 1:
-        raise UserError(f"plan.world_size={p.world_size} must be >= 1")
-    if p.precision not in ("bf16", "fp32"):
-        raise UserError(f"plan.precision={p.precision!r}: bf16 (GPU) or fp32 (CPU)")
+    p = cfg.plan  # world_size and precision: config_limits, checked before any tool runs
     shape = shape_of(cfg)
     aux = aux_layer_ids(cfg.extract.aux_layers, cfg.target.num_layers)
     model = draft.build_on_meta(cfg.target, shape.draft_vocab, aux, shape.ttt_steps)

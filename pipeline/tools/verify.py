@@ -57,7 +57,11 @@ def run(cfg) -> Path:
                 if report.get("target_class")
                 else ""
             )
-            + ", draft->target ids = arange + d2t"
+            + (
+                ", draft->target ids = arange + d2t"
+                if any(row["name"] == "d2t" for row in manifest["tensors"])
+                else ", a full-vocabulary draft: draft id = target id, no d2t"
+            )
         )
     if failed:
         raise UserError(f"{failed} of {len(folders)} export(s) failed verification")

@@ -24,7 +24,7 @@ BEST_TAU = "best_tau"  # train/best_tau/: the draft at the step of the highest t
 def resume_or_clear(cfg, s: Session) -> Progress:
     """resume=auto: continue from the newest complete checkpoint of the same upstream; else start fresh, with
     every earlier checkpoint set aside (never resumed later; deleted once this run has a checkpoint)."""
-    found = checkpoint.latest(s.root) if cfg.train.resume == Resume.auto else None
+    found = _newest_intact(s) if cfg.train.resume == Resume.auto else None
     if found:
         state = found[1]
         refuse = (
@@ -35,6 +35,11 @@ def resume_or_clear(cfg, s: Session) -> Progress:
             state["upstream"] != s.upstream or state["seed"] != cfg.seed
         ):  # read before load_state touches the model
             raise UserError(refuse)
+        if "checksums" not in state:  # written before checkpoints recorded their sha256
+            raise UserError(
+                f"checkpoint {found[0]} was written by an older eaglepipe (no checksums); use a new run_dir "
+                "or train.resume=never (it replaces the checkpoints under train/)"
+            )
         if "packs_done_in_epoch" not in state:  # written before the global data position existed
             raise UserError(
                 f"checkpoint {found[0]} was written by an older eaglepipe (no global data position); use a "
@@ -77,6 +82,30 @@ def resume_or_clear(cfg, s: Session) -> Progress:
                 s.root / checkpoint.REPLACED,
             )
     return Progress()
+
+
+def _newest_intact(s: Session) -> tuple[Path, dict] | None:
+    """The newest checkpoint whose files match the sha256 recorded when it was written (every rank checks
+    the same files and picks the same one); damaged newer ones are skipped with one warning naming them, and
+    if every one is damaged, one line naming them and the fix."""
+    damaged = []
+    for folder, state in checkpoint.candidates(s.root):
+        problem = None if state is not None and "checksums" not in state else checkpoint.damage(folder, state)
+        if problem is None:  # intact (or written before checksums: resume_or_clear refuses it)
+            if damaged and s.accelerator.is_main_process:
+                log.warning(
+                    "train: skipping damaged checkpoint(s) %s; resuming from the previous complete one, %s",
+                    "; ".join(damaged),
+                    folder,
+                )
+            return folder, state
+        damaged.append(f"{folder} ({problem})")
+    if damaged:
+        raise UserError(
+            f"no intact checkpoint to resume: {'; '.join(damaged)}; train.resume=never trains from scratch "
+            f"(it sets them aside under {s.root / checkpoint.REPLACED})"
+        )
+    return None
 
 
 def record(cfg, s: Session, p: Progress) -> dict:

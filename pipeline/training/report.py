@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
-from pipeline import __version__
+from pipeline import __version__, ranks
 from pipeline.config_choices import Strategy
 from pipeline.formats import train_summary
 from pipeline.models import fsdp
@@ -64,6 +64,7 @@ def finish(
         "throughput": _throughput(rows),
         "peak_memory": _peak_memory(accelerator.device),
         "world_size": accelerator.num_processes,
+        "rank_layout": ranks.layout(),  # who started the ranks, nodes x ranks per node, rendezvous
         "grad_accum": cfg.train.grad_accum,
         "strategy": str(getattr(cfg.train.strategy, "value", cfg.train.strategy)),
         "selected": selected(cfg, root, step),

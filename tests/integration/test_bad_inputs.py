@@ -103,7 +103,7 @@ def test_target_base_target_is_one_line(tmp_path, cache_dir):
 @pytest.mark.parametrize(
     "override,message",
     [
-        ("train.nokey=1", "Key 'nokey' not in 'TrainConfig'"),
+        ("train.nokey=1", "train.nokey is not a setting of eaglepipe"),
         ("data.limit=[1", "override 'data.limit=[1': no viable alternative"),
         ("target=nope", "Could not find 'target/nope'; Available options in 'target': kimi_k25,"),
         ("train.lr=abc", "Value 'abc' of type 'str' could not be converted to Float"),

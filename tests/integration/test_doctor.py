@@ -161,3 +161,50 @@ def test_doctor_reads_a_running_sglang_servers_own_args(export_dir):
         assert diagnose(export_dir / "sglang", server=url) == []
     finally:
         server.shutdown()
+
+
+def test_doctor_flags_a_launch_line_or_server_of_another_target_than_the_exports(export_dir, tmp_path):
+    """#35: the draft was trained on one target's hidden states; a line or a live server whose --model-path
+    is another target is a listed problem naming both. A copy of the same target elsewhere is the same."""
+    import shlex
+    import shutil
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    target = json.loads((export_dir / "sglang" / "export_manifest.json").read_text())["target_path"]
+    same, other = tmp_path / "same copy", tmp_path / "other"
+    shutil.copytree(target, same)
+    shutil.copytree(target, other)
+    config = json.loads((other / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps({**config, "rope_theta": 1234.0}))
+    want = f"the server's target {str(other)!r} is not the export's target {target} "
+    for engine, fix in (("sglang", f"--model-path {target}"), ("vllm", f"vllm serve {target}")):
+        line = (export_dir / engine / "serve.sh").read_text()
+        assert diagnose(export_dir / engine, line.replace(shlex.quote(target), shlex.quote(str(same)))) == []
+        findings = diagnose(export_dir / engine, line.replace(shlex.quote(target), shlex.quote(str(other))))
+        assert len(findings) == 1 and findings[0].startswith(want) and findings[0].endswith(fix), findings
+
+    info = {
+        "speculative_algorithm": "EAGLE3",
+        "speculative_draft_model_path": str(export_dir / "sglang"),
+        "model_path": str(other),
+    }
+
+    class SGLangServerInfoTestServer(BaseHTTPRequestHandler):
+        def log_message(self, *args):
+            pass
+
+        def do_GET(self):
+            body = json.dumps(info).encode() if self.path == "/server_info" else b"{}"
+            self.send_response(200 if self.path == "/server_info" else 404)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), SGLangServerInfoTestServer)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        findings = diagnose(export_dir / "sglang", server=f"http://127.0.0.1:{server.server_address[1]}")
+        assert len(findings) == 1 and findings[0].startswith(want), findings
+    finally:
+        server.shutdown()

@@ -66,6 +66,10 @@ def test_speculative_decoding_equals_greedy_and_the_trained_draft_beats_the_floo
     for name in ("trained", "untrained"):
         for k, r in report[name].items():
             assert r["greedy_mismatches"] == 0 and r["tau"] >= 1.0 and len(r["accept_per_position"]) == int(k)
+            # rule 5 of #35: a reported tau carries its prompt count and a 95 % interval over prompts
+            assert (
+                r["prompts"] == len(r["tau_per_prompt"]) and r["tau_ci95"][0] <= r["tau"] <= r["tau_ci95"][1]
+            )
     for k in map(str, report["draft_lengths"]):  # measured 1.35 / 1.49 / 1.60 against 1.00 for k = 1 / 2 / 3
         assert report["untrained"][k]["tau"] == 1.0
         assert report["trained"][k]["tau"] > 1.25 + 0.05 * int(k), (k, report["trained"][k]["tau"])

@@ -116,3 +116,40 @@ def test_engine_own_class_catches_injected_failures(exported, mutate, tmp_path, 
     )
     problems = engine_problems(report)
     assert any(message in p for p in problems), problems
+
+
+def test_serve_sh_of_a_run_dir_with_a_space_keeps_each_path_one_argument_quoted(exported, make_cfg, tmp_path):
+    """#35: every path in serve.sh is shell-quoted, in both engines. bash parses each script, then runs it
+    with the engines' programs (`python`, `vllm`) replaced by one that prints its arguments, one per line."""
+    import os
+    import shutil
+    import subprocess
+    from pathlib import Path
+
+    from pipeline.runner import run_stages
+
+    src, _ = exported
+    run_dir = tmp_path / "my runs" / "run 1"
+    shutil.copytree(src, run_dir, ignore=lambda d, names: ["export", "eval"] if Path(d) == src else [])
+    cfg = ["+experiment=tiny", "data.limit=16", "train.max_steps=4", "export.verify_in_engine=false"]
+    run_stages(make_cfg(*cfg, "stage=export", run_dir=run_dir))
+    stub = tmp_path / "bin"
+    stub.mkdir()
+    for program in ("python", "vllm"):
+        (stub / program).write_text("#!/bin/sh\nprintf '%s\\n' \"$@\"\n")
+        (stub / program).chmod(0o755)
+    for engine in ("sglang", "vllm"):
+        script, draft = run_dir / "export" / engine / "serve.sh", str(run_dir / "export" / engine)
+        assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
+        r = subprocess.run(
+            ["bash", str(script)],
+            env={**os.environ, "PATH": f"{stub}:{os.environ['PATH']}"},
+            capture_output=True,
+            text=True,
+        )
+        argv = r.stdout.splitlines()
+        assert r.returncode == 0 and argv, r.stderr
+        if engine == "sglang":
+            assert argv[argv.index("--speculative-draft-model-path") + 1] == draft, argv
+        else:
+            assert json.loads(argv[argv.index("--speculative-config") + 1])["model"] == draft, argv

@@ -6,7 +6,8 @@ Floors, top to bottom (docs/stages.md draws them):
   the packages that do the work, themselves in order: training > acceptance > capture > data > serving >
   engines > models (each imports only those after it)
   formats/: every on-disk artifact's reader and writer; nothing of the project but config and errors
-  the ground: config, config_choices, errors, fingerprint, corpora, the package's own `__version__`
+  the ground: config_limits (over config), config_choices, errors, fingerprint, corpora, ranks, the
+  package's own `__version__`
 So any stage can be read, run and replaced on its own, and a change to a format is felt only above it.
 """
 
@@ -56,7 +57,8 @@ FLOORS = [
     ["tools", "stages"],
     *[[p] for p in PACKAGES],
     ["formats"],
-    ["config", "corpora", "fingerprint"],
+    ["config_limits"],
+    ["config", "corpora", "fingerprint", "ranks"],
     ["config_choices", "errors", "pipeline"],
 ]
 

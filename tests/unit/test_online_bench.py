@@ -66,7 +66,7 @@ class Client:
     def post(self, url, json):
         self.posts += 1
         assert url.endswith("/v1/completions") and json["temperature"] == 0.0
-        return Response(body={"usage": {"completion_tokens": 10}})
+        return Response(body={"choices": [{"text": "x"}], "usage": {"completion_tokens": 10}})
 
 
 def test_each_counter_is_read_with_or_without_the_total_suffix():

@@ -10,6 +10,7 @@ import pytest
 from pipeline.data.journal import Journal
 from pipeline.errors import UserError
 from pipeline.formats.prepared import load as load_prepared
+from pipeline.runner import preflight
 from pipeline.stages import prepare
 
 # 6 conversations, 1 to 3 assistant turns each: 12 turns, every reply asked from the regenerated prefix before
@@ -238,13 +239,14 @@ def test_the_journal_cuts_a_garbled_last_line_and_refuses_a_damaged_earlier_one(
         ),
         (
             ["prepare.regenerate=true", "prepare.endpoint_concurrency=0"],
-            r"prepare.endpoint_concurrency=0 \(>= 1\)",
+            r"prepare.endpoint_concurrency=0 must be >= 1",
         ),
     ],
 )
 def test_check_refuses_generation_settings_that_cannot_work(make_cfg, tmp_path, overrides, message):
+    """Through the runner's preflight: the range is config_limits', the rest prepare's own check."""
     with pytest.raises(UserError, match=message):
-        prepare.check(make_cfg("target=tiny", *overrides, run_dir=tmp_path))
+        preflight(make_cfg("target=tiny", *overrides, run_dir=tmp_path), ["prepare"])
 
 
 def test_how_replies_are_fetched_is_not_in_prepares_fingerprint_what_shapes_them_is(

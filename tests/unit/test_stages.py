@@ -64,6 +64,10 @@ def cfg_for(stage, run_dir, features="offline"):
             "run_dir": str(run_dir),
             "train": {"resume": "auto", "val_fraction": 0.1, "features": features},
             "vocab": {"draft_vocab_size": 8},
+            "extract": {"aux_layers": None},
+            "target": {"source": "tiny", "num_layers": 8},
+            "export": {"engines": ["sglang"]},
+            "data": {"limit": None},
         }
     )
 
@@ -140,7 +144,11 @@ def test_a_tool_runs_without_checks_fingerprints_or_records(fakes, tmp_path, too
     reported = fakes.reported
     stages.run_stages(cfg_for(tool, tmp_path / "run"))
     assert calls == [("run", tool)]
-    assert not (tmp_path / "run").exists()  # a tool writes nothing into a run dir
+    if tool in stages.WRITING_TOOLS:  # parity/, tune/: one run at a time (#35 rule 2), its lock released
+        assert [p.name for p in (tmp_path / "run").iterdir()] == ["run.lock"]
+        assert (tmp_path / "run" / "run.lock").read_text() == ""
+    else:
+        assert not (tmp_path / "run").exists()  # a tool that only reads writes nothing into a run dir
     assert reported == []
 
 
@@ -172,7 +180,9 @@ def test_stage_enum_values_are_accepted_like_strings(fakes, tmp_path):
     from pipeline.config_choices import Stage
 
     calls = fakes.calls
-    stages.run_stages(OmegaConf.create({"stage": Stage.train, "run_dir": str(tmp_path)}))
+    cfg = cfg_for("train", tmp_path)
+    cfg.stage = Stage.train
+    stages.run_stages(cfg)
     assert runs(calls) == ["train"]
 
 
@@ -193,9 +203,14 @@ def test_selected_is_the_order_for_all_and_the_stage_alone_otherwise():
 def test_a_skipped_stage_whose_input_is_gone_says_so(make_cfg, tmp_path, caplog):
     """Deleting features/manifest.json then stage=vocab (or train) once said only "up to date, skipped"."""
     cfg = make_cfg("+experiment=tiny", "stage=vocab", run_dir=tmp_path)
-    (tmp_path / "vocab").mkdir()
-    (tmp_path / "vocab" / "manifest.json").write_text(json.dumps({"draft_vocab_size": 256}))
+    import numpy as np
+    import torch
+
+    from pipeline.formats import vocab_map
     from pipeline.stages import vocab
+
+    t2d = torch.arange(1024) < 256  # a complete vocab (the first 256 ids): is_complete reads it whole
+    vocab_map.save(tmp_path / "vocab", torch.zeros(256, dtype=torch.int64), t2d, np.ones(1024), {})
 
     stages.write_record(
         tmp_path, "vocab", {"fingerprint": vocab.fingerprint(cfg)}

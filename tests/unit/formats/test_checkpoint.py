@@ -1,6 +1,7 @@
 """Training checkpoints (pipeline/formats/checkpoint.py): written whole or not at all, found by the step
 recorded inside them, the newest kept, everything cleared on a fresh start."""
 
+import hashlib
 import json
 
 from pipeline.formats import checkpoint as ckpt
@@ -17,13 +18,32 @@ def test_a_finished_checkpoint_is_step_dir_with_its_state_and_no_tmp(tmp_path):
     assert final == tmp_path / "step_000007"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_000007"]
     state = json.loads((final / ckpt.STATE).read_text())
-    assert state == {
+    assert {k: v for k, v in state.items() if k != "state_sha256"} == {
         "schema_version": ckpt.SCHEMA_VERSION,
         "optimizer_step": 7,
         "epoch": 0,
         "batches_done_in_epoch": 3,
+        "checksums": {"weights.bin": {"bytes": 2, "sha256": hashlib.sha256(b"w7").hexdigest()}},
     }
     assert (final / "weights.bin").read_bytes() == b"w7"
+    assert ckpt.damage(final, state) is None
+
+
+def test_checksummed_damage_names_a_changed_cut_or_missing_file_and_an_edited_state(tmp_path):
+    """Issue #35 rule 3: what finish recorded is what damage checks (resume falls back on any of these)."""
+    final = save(tmp_path, 7)
+    state = json.loads((final / ckpt.STATE).read_text())
+    (final / "weights.bin").write_bytes(b"w8")
+    changed = "weights.bin's sha256 differs from the one recorded when it was written"
+    assert ckpt.damage(final, state) == changed
+    (final / "weights.bin").write_bytes(b"w")
+    assert ckpt.damage(final, state) == "weights.bin is cut short (1 bytes, 2 when written)"
+    (final / "weights.bin").unlink()
+    assert ckpt.damage(final, state) == "weights.bin is missing"
+    assert ckpt.damage(final, {**state, "epoch": 1}).startswith(f"{ckpt.STATE} differs")
+    (final / ckpt.STATE).write_text('{"optimizer_st')  # cut short: found by its name, never resumed
+    assert ckpt.candidates(tmp_path) == [(final, None)] and ckpt.complete(tmp_path) == []
+    assert ckpt.damage(final, None) == f"{ckpt.STATE} cannot be read"
 
 
 def test_latest_is_the_highest_recorded_step_not_the_newest_or_the_largest_name(tmp_path):

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from pipeline.formats import feature_store as fs
-from pipeline.formats import shard_regions
+from pipeline.formats import shard_regions, store_check
 from pipeline.formats import store_writer as sw
 
 FACTS = {"aux_layer_ids": [1, 2], "hidden_size": 4, "target_fingerprint": "abc"}
@@ -167,18 +167,18 @@ def test_all_zero_chunks_are_written_so_a_missing_one_is_detectable(tmp_path):
         0, np.zeros(6), np.zeros(6), torch.zeros(6, 8).bfloat16(), torch.randn(6, 4, generator=g).bfloat16()
     )
     writer.commit(manifest)
-    assert fs.verify_store(tmp_path) == []
+    assert store_check.verify_store(tmp_path) == []
     assert (tmp_path / "shard-00000.zarr/aux_hidden/c/1/0").is_file()  # states: chunk_tokens
     assert (tmp_path / "shard-00000.zarr/loss_mask/c/0").is_file()  # 1-D arrays: fs.ID_CHUNK_TOKENS
 
 
 def test_verify_store_lists_every_bad_chunk_and_passes_a_good_store(tmp_path):
     _write(tmp_path, [5, 1, 7])
-    assert fs.verify_store(tmp_path) == []
+    assert store_check.verify_store(tmp_path) == []
     _flip(tmp_path / "shard-00000.zarr/aux_hidden/c/3/0")
     path = tmp_path / "shard-00000.zarr/input_ids/c/0"  # 1-D arrays: one chunk of up to fs.ID_CHUNK_TOKENS
     path.write_bytes(path.read_bytes()[:3])
-    bad = {(b["array"], b["chunk"]) for b in fs.verify_store(tmp_path)}
+    bad = {(b["array"], b["chunk"]) for b in store_check.verify_store(tmp_path)}
     assert bad == {("aux_hidden", 3), ("input_ids", 0)}
 
 
@@ -287,10 +287,10 @@ def test_an_fp8_shard_is_written_as_uint8_plus_scales_and_read_back_as_bf16(tmp_
         got = store.sample(i)
         assert got["aux_hidden"].dtype == torch.bfloat16 and torch.equal(got["aux_hidden"], aux)
         assert torch.equal(got["last_hidden"], last)
-    assert fs.verify_store(tmp_path) == []
+    assert store_check.verify_store(tmp_path) == []
     scale_chunk = tmp_path / "shard-00000.zarr" / "aux_scale" / "c" / "1" / "0"
     scale_chunk.unlink()  # a missing scale chunk is damage like any other
-    assert [b["array"] for b in fs.verify_store(tmp_path)] == ["aux_scale"]
+    assert [b["array"] for b in store_check.verify_store(tmp_path)] == ["aux_scale"]
 
 
 def test_an_fp8_store_is_not_a_bf16_store(tmp_path):

@@ -16,6 +16,7 @@ import torch
 import zarr
 
 from pipeline.formats import feature_store as fs
+from pipeline.formats import store_check
 from pipeline.formats import store_writer as sw
 
 FACTS = {"aux_layer_ids": [1, 2], "hidden_size": 4, "target_fingerprint": "abc"}
@@ -102,12 +103,12 @@ def test_plain_zarr_reads_a_tensorstore_shard(tmp_path):
 
 def test_a_flipped_byte_in_a_tensorstore_chunk_is_found_by_verify_store(tmp_path):
     write_store(tmp_path, SHARDS, "tensorstore")
-    assert fs.verify_store(tmp_path) == []
+    assert store_check.verify_store(tmp_path) == []
     chunk = tmp_path / fs.shard_name(2) / "aux_hidden" / "c" / "1" / "0"
     data = bytearray(chunk.read_bytes())
     data[len(data) // 2] ^= 0x01
     chunk.write_bytes(bytes(data))
-    bad = fs.verify_store(tmp_path)
+    bad = store_check.verify_store(tmp_path)
     assert [(b["shard"], b["array"], b["chunk"]) for b in bad] == [(fs.shard_name(2), "aux_hidden", 1)]
 
 
