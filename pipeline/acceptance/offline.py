@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from pipeline import intervals
 from pipeline.acceptance import batched
 from pipeline.acceptance.draft_model import ExportedDraft
 from pipeline.capture.hf import Capture
@@ -288,18 +289,8 @@ def _tau_at(model, capture, dr, prompts, greedy_refs, all_runs, k: int, eos, e, 
 def tau_interval(rounds_by_prompt: list[list[int]], resamples: int = 2000, seed: int = 0) -> list[float]:
     """A 95 % bootstrap interval of the pooled tau, resampling prompts (the unit that varies: a set of 8
     prompts moves tau by tenths). [tau, tau] with one prompt; seeded, so a report is reproducible."""
-    import random
-
-    rng, n = random.Random(seed), len(rounds_by_prompt)
-    if n == 0:
-        return [0.0, 0.0]
-    sums = [(sum(r + 1 for r in rounds), len(rounds)) for rounds in rounds_by_prompt]
-    taus = []
-    for _ in range(resamples if n > 1 else 1):
-        pick = [sums[rng.randrange(n)] for _ in range(n)] if n > 1 else sums
-        taus.append(sum(a for a, _ in pick) / max(sum(b for _, b in pick), 1))
-    taus.sort()
-    return [taus[int(0.025 * (len(taus) - 1))], taus[int(0.975 * (len(taus) - 1))]]
+    pairs = [(sum(r + 1 for r in rounds), len(rounds)) for rounds in rounds_by_prompt]
+    return intervals.ratio_ci95(pairs, resamples, seed)
 
 
 def _teacher_forced_acc(model, capture, dr, prompts, greedy_refs, name: str, report: dict) -> None:

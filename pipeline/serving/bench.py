@@ -28,6 +28,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from pipeline import intervals
 from pipeline.errors import UserError
 from pipeline.formats import eval_reports
 from pipeline.serving.clients import ThreadClients
@@ -74,6 +75,7 @@ def one_pass(client, server: dict, prompts: list[list[int]], max_new: int, concu
     }
     if engine == "sglang":
         out["verify_passes"] = sum(r["verify_ct"] for r in results)
+        out["by_prompt"] = [[r["completion_tokens"], r["verify_ct"]] for r in results]  # for the interval
     else:
         after = vllm_counters(client, url)
         out.update({k: after.get(k, 0.0) - before.get(k, 0.0) for k in VLLM_COUNTERS})
@@ -88,13 +90,18 @@ def acceptance(engine: str, passes: list[dict]) -> dict:
     tokens = sum(p["completion_tokens"] for p in passes)
     if engine == "sglang":
         verify = sum(p["verify_passes"] for p in passes)
-        return {"verify_passes": verify, "accept_length": tokens / verify if verify else None}
+        out = {"verify_passes": verify, "accept_length": tokens / verify if verify else None}
+        if verify and all("by_prompt" in p for p in passes):  # each pass sends the same prompts, in order
+            per = [[sum(x) for x in zip(*rows)] for rows in zip(*(p["by_prompt"] for p in passes))]
+            out.update(prompts=len(per), accept_length_ci95=intervals.ratio_ci95([tuple(r) for r in per]))
+        return out
     drafts = sum(p["num_drafts"] for p in passes)
     out = {
         "drafts": drafts,
         "draft_tokens": sum(p["num_draft_tokens"] for p in passes),
         "accepted": sum(p["num_accepted_tokens"] for p in passes),
         "accept_length": None,
+        "accept_length_ci95": None,  # vLLM counts drafts server-wide, not per request: no interval
     }
     if drafts:
         out["accept_length"] = 1 + out["accepted"] / drafts

@@ -122,6 +122,7 @@ def _sets_table(cfg) -> None:
             rows[name] = {
                 "prompts": spec["requests"],
                 "accept_length": spec["accept_length"],
+                "accept_length_ci95": spec.get("accept_length_ci95"),  # over prompts; null on vLLM
                 "tokens_per_s": spec["tokens_per_s"],
                 "speedup": report.get("speedup"),
                 "speedup_by_concurrency": {
@@ -135,6 +136,12 @@ def _sets_table(cfg) -> None:
             + f"{r['tokens_per_s']:>11.1f}"
             + (f"{r['speedup']:>9.2f}" if r["speedup"] else f"{'':>9}")
             for name, r in rows.items()
+        ]
+        lines += [
+            f"{name}: accept length 95 % interval over its {r['prompts']} prompts "
+            f"{r['accept_length_ci95'][0]:.3f}-{r['accept_length_ci95'][1]:.3f}"
+            for name, r in rows.items()
+            if r["accept_length_ci95"]
         ]
         log.info(
             "evaluate, the server's accept length per prompt set (%s):\n%s",

@@ -58,7 +58,7 @@ FLOORS = [
     *[[p] for p in PACKAGES],
     ["formats"],
     ["config_limits"],
-    ["config", "corpora", "fingerprint", "ranks"],
+    ["config", "corpora", "fingerprint", "ranks", "intervals"],
     ["config_choices", "errors", "pipeline"],
 ]
 
