@@ -292,7 +292,7 @@ def main() -> None:
     # `eaglepipe verify export_dir=...` is `eaglepipe stage=verify export_dir=...`
     if len(sys.argv) > 1 and "=" not in sys.argv[1] and not sys.argv[1].startswith("-"):
         sys.argv[1] = f"stage={sys.argv[1].replace('-', '_')}"  # check-store is stage=check_store
-    if any(a in {f"stage={t}" for t in TOOLS} for a in sys.argv[1:]):
+    if any(a in {f"stage={t}" for t in [*TOOLS, "submit"]} for a in sys.argv[1:]):
         sys.argv += TOOL_HYDRA
     problem = schema_as_option(sys.argv[1:]) or empty_run_dir(sys.argv[1:]) or added_key(sys.argv[1:])
     if problem:

@@ -28,6 +28,7 @@ from pipeline.config_choices import (
     TargetSource,
     WandbMode,
 )
+from pipeline.config_tools import PlanConfig, SubmitConfig, TuneConfig
 
 
 @dataclass
@@ -305,43 +306,6 @@ class EvalConfig:
 
 
 @dataclass
-class PlanConfig:  # `eaglepipe plan` (pipeline/tools/plan.py); the shape comes from target, train, vocab
-    world_size: int = 8  # ranks; DDP or FSDP is train.strategy
-    gpu_memory_gib: float = 139.0  # an H200's usable memory
-    precision: str = "bf16"  # bf16 (autocast on GPU, as train runs there) | fp32 (CPU)
-
-
-@dataclass
-class TuneGrid:  # the candidates of `eaglepipe tune-serve`: every combination of these lists
-    num_steps: list[int] = field(default_factory=lambda: [1, 2, 3, 4, 5])  # --speculative-num-steps
-    topk: list[int] = field(default_factory=lambda: [1])  # --speculative-eagle-topk
-    # --speculative-num-draft-tokens; null = num_steps + 1 (what SGLang runs at topk 1 whatever is asked)
-    num_draft_tokens: list[int | None] = field(default_factory=lambda: [None])
-    attention_backend: list[str | None] = field(default_factory=lambda: [None])  # null = serve.sh's own
-    cuda_graph_max_bs: list[int | None] = field(default_factory=lambda: [None])  # null = serve.sh's own
-
-
-@dataclass
-# `eaglepipe tune-serve` (pipeline/tools/tune_serve.py, docs/serving.md); the bench is eval.*
-class TuneConfig:
-    grid: TuneGrid = field(default_factory=TuneGrid)
-    objective_concurrency: int = 1  # the winner: the highest median tokens/s at this one of eval.concurrency
-    # a running plain server of the same target; null = started once from serve.sh without the speculative
-    # flags
-    baseline_endpoint: str | None = None
-    # what the launch lines start with instead of serve.sh's `python -m sglang.launch_server`, e.g. another
-    # Python's path (`/opt/sglang/bin/python -m sglang.launch_server`) or tests' SGLang-like test server
-    # script
-    launch_prefix: str | None = None
-    # flags for the sweep's servers only, never written to serve.sh, e.g. [--mem-fraction-static, "0.35"] so
-    # the baseline and a candidate fit on one GPU together
-    server_args: list[str] = field(default_factory=list)
-    start_timeout_s: float = (
-        900.0  # a server not healthy by then failed (SGLang with graphs: ~2 min on the H200)
-    )
-
-
-@dataclass
 class Config:
     stage: Stage = Stage.all
     run_name: str = "default"
@@ -358,6 +322,7 @@ class Config:
     eval: EvalConfig = field(default_factory=EvalConfig)
     plan: PlanConfig = field(default_factory=PlanConfig)
     tune: TuneConfig = field(default_factory=TuneConfig)
+    submit: SubmitConfig = field(default_factory=SubmitConfig)
     # the tools (verify, serve, doctor)
     export_dir: str | None = None  # an export folder; null = run_dir/export/<engine>
     engine: str | None = None  # sglang | vllm; null = the export's own (verify) or every exported engine

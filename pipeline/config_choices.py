@@ -12,6 +12,8 @@ class Stage(str, Enum):
     export = "export"
     evaluate = "evaluate"
     all = "all"
+    # `eaglepipe submit`: the stages not up to date as a chain of SLURM jobs (docs/scale.md)
+    submit = "submit"
     # tools, not part of `all`:
     verify = "verify"  # an export through the engine's own class and loader (export_dir=..., engine=...)
     serve = "serve"  # print the launch command of an export (engine=...)

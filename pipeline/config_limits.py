@@ -12,6 +12,7 @@ what the schema's comment says.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib.util
 import math
@@ -22,6 +23,7 @@ from dataclasses import dataclass
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from pipeline.config import Config
+from pipeline.config_tools import StageMinutes
 
 
 @dataclass(frozen=True)
@@ -135,6 +137,11 @@ LIMITS: dict[str, Range] = {
     "tune.grid.cuda_graph_max_bs[]": AT_LEAST_1,
     "tune.objective_concurrency": AT_LEAST_1,
     "tune.start_timeout_s": POSITIVE,
+    **dict.fromkeys(("submit.ranks", "submit.cpus_per_rank", "submit.mem_gb_per_rank"), AT_LEAST_1),
+    "submit.gpus_per_rank": AT_LEAST_0,
+    **{f"submit.time_min.{f.name}": AT_LEAST_1 for f in dataclasses.fields(StageMinutes)},
+    "submit.signal_delay_s": AT_LEAST_0,
+    "submit.poll_s": POSITIVE,
 }
 
 # extract.dtype's names -> torch's (auto: bf16 on a GPU, fp32 on the CPU)
@@ -155,10 +162,22 @@ def _device(key: str, v: str) -> str | None:
     return None
 
 
+_ELSEWHERE: list[bool] = []  # set while checking for jobs that run on other nodes (`eaglepipe submit`)
+
+
+@contextlib.contextmanager
+def checking_for_another_node():  # `eaglepipe submit` on a login node: this node's CUDA is not the jobs'
+    _ELSEWHERE.append(True)
+    try:
+        yield
+    finally:
+        _ELSEWHERE.pop()
+
+
 def cuda_missing(key: str, v: str) -> str | None:
     """A CUDA device asked for where there is none (or not that many): the stage that runs on `key`'s device
     asks, so a CPU login node can still prepare with a GPU experiment's config."""
-    if str(v).startswith("cuda"):
+    if str(v).startswith("cuda") and not _ELSEWHERE:
         import torch
 
         if not torch.cuda.is_available():
@@ -269,6 +288,7 @@ FREE = {
     "tune.grid.attention_backend[]",
     "tune.launch_prefix",
     "tune.server_args[]",
+    *("submit.partition", "submit.account", "submit.qos"),  # SLURM's names: check_fits lists the partitions
 }
 
 

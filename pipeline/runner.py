@@ -210,7 +210,50 @@ def run_stages(cfg) -> None:
         raise UserError(line) from None
 
 
+def _up_to_date(cfg, run_dir: Path, name: str) -> tuple[str, dict | None, bool]:
+    """A stage's fingerprint, its record, and whether it is up to date (the same fingerprint recorded, and
+    its output complete): the one rule of stage=all's skipping and of `eaglepipe submit`'s."""
+    module = importlib.import_module(f"pipeline.stages.{name}")
+    fp = module.fingerprint(cfg)
+    old = read_records(run_dir).get(name)
+    return fp, old, bool(old and old["fingerprint"] == fp and module.is_complete(cfg))
+
+
+def _submit(cfg) -> None:
+    """`eaglepipe submit`: the stages not up to date as a chain of SLURM jobs (cluster/chain.py), after the
+    same checks stage=all runs first (this node's CUDA aside: the jobs run on others)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    from pipeline import __version__
+    from pipeline.cluster import chain
+
+    if not HydraConfig.initialized():
+        raise UserError("submit runs from the command line: eaglepipe submit <the overrides of stage=all>")
+    names = [n for n in ORDER if not (n == "extract" and features.online(cfg))]
+    with config_limits.checking_for_another_node():
+        preflight(cfg, names)
+    run_dir = Path(cfg.run_dir)
+    stale = []
+    for name in names:  # the first stage not up to date, and every one after it
+        if stale or not run_dir.is_dir():
+            stale.append(name)
+            continue
+        try:
+            fresh = _up_to_date(cfg, run_dir, name)[2]
+        except (UserError, OSError, ValueError, KeyError):  # its inputs are not there yet
+            fresh = False
+        if not fresh:
+            stale.append(name)
+    skip = ("stage=", "hydra/launcher=", "hydra.launcher.", "submit.wait=")
+    overrides = [o for o in HydraConfig.get().overrides.task if not o.startswith(skip)]
+    jobs = chain.submit(cfg, stale, names, overrides, __version__, MULTI_RANK)
+    if cfg.submit.wait and jobs:
+        chain.follow(run_dir, jobs, float(cfg.submit.poll_s))
+
+
 def _run_stages(cfg, stage: str, held: contextlib.ExitStack) -> None:
+    if stage == "submit":
+        return _submit(cfg)
     if stage in TOOLS:
         if problems := config_limits.unknown_keys(cfg) + config_limits.problems(cfg):
             raise UserError("; ".join(problems))
@@ -241,9 +284,8 @@ def _run_stages(cfg, stage: str, held: contextlib.ExitStack) -> None:
     ran = set()
     for name in names:
         module = importlib.import_module(f"pipeline.stages.{name}")
-        fp = module.fingerprint(cfg)
-        old = read_records(run_dir).get(name)
-        if old and old["fingerprint"] == fp and module.is_complete(cfg):
+        fp, old, fresh = _up_to_date(cfg, run_dir, name)
+        if fresh:
             log.info("stage %s: up to date (fingerprint %s), skipped", name, fp)
             gone = [
                 p

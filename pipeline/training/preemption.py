@@ -1,4 +1,5 @@
-"""SLURM's warning signal before a preemption or time limit, under submitit."""
+"""SLURM's warning signal before a preemption or time limit: under submitit, or in a job of `eaglepipe
+submit`'s chain (which requeues itself)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,9 @@ import signal
 
 import torch
 
+from pipeline.cluster import slurm
+from pipeline.cluster.chain import REQUEUE_ENV
+
 log = logging.getLogger(__name__)
 
 
@@ -15,13 +19,15 @@ class Preemption:
     """A job under submitit (hydra/launcher=slurm|local): SLURM's warning signal before a time limit or a
     preemption (SIGUSR2, or SUBMITIT_PREEMPT_SIGNAL) only sets a flag here; the loop writes a checkpoint at
     the next optimizer step and then hands the signal to submitit's own handler, which requeues the job (same
-    overrides, same run dir) and exits; the requeued job resumes from that checkpoint. Outside submitit
-    nothing is installed. On several ranks the flag is agreed on (a max over ranks) once per optimizer
-    step."""
+    overrides, same run dir) and exits; the requeued job resumes from that checkpoint. In a job of
+    `eaglepipe submit` (REQUEUE_ENV set by its script) rank 0 requeues the job itself (`scontrol requeue`).
+    Elsewhere nothing is installed. On several ranks the flag is agreed on (a max over ranks) once per
+    optimizer step."""
 
     def __init__(self):
         self.requested, self.previous = False, None
-        if "SUBMITIT_EXECUTOR" not in os.environ:
+        self.own_job = os.environ.get(REQUEUE_ENV) == "1" and "SLURM_JOB_ID" in os.environ
+        if "SUBMITIT_EXECUTOR" not in os.environ and not self.own_job:
             return
         self.signum = getattr(signal, "SIG" + os.environ.get("SUBMITIT_PREEMPT_SIGNAL", "USR2").upper())
         self.previous = signal.getsignal(self.signum)
@@ -53,5 +59,10 @@ class Preemption:
         signal.signal(self.signum, previous)
         if callable(previous):
             previous(self.signum, None)  # submitit: checkpoint() -> requeue -> exit
+        elif self.own_job:  # SLURM stops every task of the job and starts the batch script again
+            if int(os.environ.get("RANK", "0")) == 0:
+                log.warning("train: requeueing SLURM job %s", os.environ["SLURM_JOB_ID"])
+                slurm.requeue(os.environ["SLURM_JOB_ID"])
+            raise SystemExit(f"train: preemption signal {self.signum}: checkpoint written, job requeued")
         else:  # SIG_DFL / SIG_IGN: nothing of submitit's to hand to; stop so a restart resumes
             raise SystemExit(f"train: preemption signal {self.signum}: checkpoint written, stopping")
