@@ -97,10 +97,14 @@ def script(cfg, stage: str, overrides: list[str], after: str | None, multi_rank)
     lines += [
         f"cd {shlex.quote(str(Path.cwd()))}",
         f"export {REQUEUE_ENV}=1",
+        # the job's task count now: a requeued job may have been given another (elastic resume); the
+        # environment keeps the one it was submitted with
+        "ntasks=$(scontrol show job -o \"$SLURM_JOB_ID\" | sed -n 's/.* NumTasks=\\([0-9]*\\).*/\\1/p')",
+        "ntasks=${ntasks:-$SLURM_NTASKS}",
         'echo "eaglepipe: job $SLURM_JOB_ID (restart ${SLURM_RESTART_COUNT:-0}) on $(hostname): '
-        f'{stage}, {r["ranks"]} task(s)"',
+        f'{stage}, $ntasks task(s)"',
         # the batch shell gets SLURM's warning (B:); srun hands USR2 on to every task
-        f"srun --kill-on-bad-exit=1 --ntasks={r['ranks']} {command} &",
+        f'srun --kill-on-bad-exit=1 --ntasks="$ntasks" {command} &',
         "child=$!",
         "trap 'kill -USR2 $child 2>/dev/null' USR2",
         "while :; do wait $child; rc=$?; kill -0 $child 2>/dev/null || break; done",

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import time
 
 import torch
 
@@ -13,6 +14,7 @@ from pipeline.cluster import slurm
 from pipeline.cluster.chain import REQUEUE_ENV
 
 log = logging.getLogger(__name__)
+REQUEUE_WAIT_S = 300  # SLURM stops a requeued job's tasks within KillWait (30 s by default)
 
 
 class Preemption:
@@ -63,6 +65,8 @@ class Preemption:
             if int(os.environ.get("RANK", "0")) == 0:
                 log.warning("train: requeueing SLURM job %s", os.environ["SLURM_JOB_ID"])
                 slurm.requeue(os.environ["SLURM_JOB_ID"])
-            raise SystemExit(f"train: preemption signal {self.signum}: checkpoint written, job requeued")
+            # no task exits first: an exit (the job's end) racing the requeue would end the job as FAILED
+            time.sleep(REQUEUE_WAIT_S)
+            raise SystemExit(f"train: preemption signal {self.signum}: job requeued, SLURM did not stop it")
         else:  # SIG_DFL / SIG_IGN: nothing of submitit's to hand to; stop so a restart resumes
             raise SystemExit(f"train: preemption signal {self.signum}: checkpoint written, stopping")

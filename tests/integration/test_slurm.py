@@ -2,18 +2,21 @@
 (tests/slurm_local.py brings it up, or uses one that is up, and takes it down at the end). No mocks: sbatch,
 srun, submitit's SLURM executor, scancel's signals and scontrol requeue act on real jobs.
 
-One store (tiny); each run trains 8 steps of 2 packs on its own run dir with that store copied in:
-  R: torchrun, 2 ranks (the reference)
-  S: an sbatch job of 2 tasks, `srun --ntasks=2 python -m pipeline stage=train`: 2 ranks from SLURM's
-     variables
-  L: `eaglepipe -m hydra/launcher=slurm hydra.launcher.tasks_per_node=2`: submitit's job of 2 tasks, 2 ranks
-All three end at the same weights."""
+One store (tiny); each run trains 40 steps of 2 packs, checkpointing every 5:
+  R: torchrun, 2 ranks, on a copy of the store (the reference)
+  L: `eaglepipe -m hydra/launcher=slurm hydra.launcher.tasks_per_node=2` over two sweep points:
+     submitit's jobs of 2 tasks each, 2 ranks from SLURM's variables, each point in its own run dir
+  C: `eaglepipe submit`: prepare -> evaluate as six batch jobs; its train job (srun, 2 tasks) gets SLURM's
+     warning signal mid-run (checkpoint, requeue itself), then a hard `scontrol requeue` (resume from the
+     newest checkpoint); the second submit follows the jobs it keeps, the third submits nothing
+All end at the same weights."""
 
 import json
 import re
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -21,6 +24,8 @@ import slurm_local
 import torch
 from safetensors.torch import load_file
 
+from pipeline.cluster import chain, slurm
+from pipeline.errors import UserError
 from pipeline.runner import run_stages
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
@@ -28,8 +33,8 @@ ROOT = Path(__file__).resolve().parents[2]
 COMMON = [
     "+experiment=tiny",
     "data.limit=40",
-    "train.max_steps=8",
-    "train.save_every_steps=2",
+    "train.max_steps=40",
+    "train.save_every_steps=5",
     "train.keep_last=10",
     "train.val_every_steps=1000",
     "train.device=cpu",
@@ -98,49 +103,34 @@ def reference(store, cache_dir) -> Path:
     return run_dir
 
 
-def test_srun_in_an_sbatch_job_trains_on_two_ranks_as_torchrun_does(cluster, store, reference, cache_dir):
-    run_dir = _copy_inputs(store, store.parent / "S")
-    out = store.parent / "S.out"
-    script = store.parent / "S.sbatch"
-    script.write_text(
-        "#!/bin/bash\n"
-        f"cd {ROOT}\n"
-        f"srun --ntasks=2 {sys.executable} -m pipeline stage=train {' '.join(COMMON)} run_dir={run_dir} "
-        f"cache_dir={cache_dir}\n"
-    )
-    r = slurm_local.run(["sbatch", "--parsable", "--wait", "--ntasks=2", f"--output={out}", str(script)])
-    job = r.stdout.strip().split(";")[0]
-    log = out.read_text() if out.exists() else ""
-    assert r.returncode == 0, f"job {job}: {r.stderr}\n{log[-3000:]}"
-    assert slurm_local.job_fields(job)["JobState"] == "COMPLETED"
-    assert f"ranks: 2 from slurm (SLURM job {job}): 1 node(s) x 2 rank(s); rendezvous" in log, log[-3000:]
-    summary = _summary(run_dir)
-    assert summary["world_size"] == 2 and summary["optimizer_steps"] == 8
-    assert summary["rank_layout"] == {
-        "launcher": "slurm",
-        "nodes": 1,
-        "ranks_per_node": 2,
-        "rendezvous": f"{slurm_local.job_host()}:{10000 + int(job) % 20000}",
-        "slurm_job_id": job,
-    }
-    assert _summary(reference)["rank_layout"]["launcher"] == "torchrun"
-    assert _same(_final(run_dir), _final(reference))
-
-
-def test_the_slurm_launcher_with_two_tasks_per_node_trains_on_two_ranks(cluster, store, reference, cache_dir):
+def test_a_sweep_on_the_slurm_launcher_trains_each_point_on_two_ranks_in_its_own_dir(
+    cluster, store, reference, cache_dir
+):
     base = store.parent / "L"
-    _copy_inputs(store, base / "0")  # the multirun's job 0 works in ${run_dir}/0
+    for n in ("0", "1"):  # the multirun's job N works in ${run_dir}/N
+        _copy_inputs(store, base / n)
     eaglepipe = str(Path(sys.executable).parent / "eaglepipe")
     r = slurm_local.run(
-        [eaglepipe, "-m", *LAUNCHER, "stage=train", *COMMON, f"run_dir={base}", f"cache_dir={cache_dir}"]
+        [eaglepipe, "-m", *LAUNCHER, "stage=train", *COMMON, "train.log_every_steps=5,10"]
+        + [f"run_dir={base}", f"cache_dir={cache_dir}"],
+        timeout=600,
     )
     logs = "".join(p.read_text() for p in sorted((base / ".submitit").rglob("*_log.*")))
     assert r.returncode == 0, r.stderr[-3000:] + logs[-3000:]
-    job = next((base / ".submitit").iterdir()).name
-    assert f"ranks: 2 from slurm (SLURM job {job})" in logs, logs[-3000:]
-    summary = _summary(base / "0")
-    assert summary["world_size"] == 2 and summary["rank_layout"]["launcher"] == "slurm"
-    assert _same(_final(base / "0"), _final(reference))
+    # an array job's tasks (ARRAY_TASK), beside its submission folder and submitit's own links
+    jobs = sorted(p.name for p in (base / ".submitit").iterdir() if p.is_dir() and "_" in p.name)
+    assert len(jobs) == 2, jobs
+    # submitit has both results; SLURM ends the tasks' steps a moment later
+    _wait(
+        "both tasks COMPLETED",
+        lambda: all(slurm_local.job_fields(j)["JobState"] == "COMPLETED" for j in jobs),
+        60,
+    )
+    assert logs.count("ranks: 2 from slurm (SLURM job ") >= 2, logs[-3000:]  # each job's layout, logged
+    for n in ("0", "1"):
+        summary = _summary(base / n)
+        assert summary["world_size"] == 2 and summary["rank_layout"]["launcher"] == "slurm"
+        assert _same(_final(base / n), _final(reference))
 
 
 def test_the_local_cluster_script_is_idempotent_and_reports_its_state(cluster):
@@ -169,57 +159,169 @@ SUBMIT = [  # the chain's jobs cut to the local node: 2 ranks for extract and tr
 ]
 
 
-def test_submit_runs_the_chain_as_jobs_and_a_second_submit_submits_nothing(cluster, tmp_path, cache_dir):
+def _wait(what: str, until, timeout: float = 240):
+    """Poll until `until()` gives a truthy value (0.1 s apart); the value."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if value := until():
+            return value
+        time.sleep(0.1)
+    raise AssertionError(f"waited {timeout} s for {what}")
+
+
+def _start_now_if_waiting(job: str, restarts: str) -> bool:
+    """A requeued job waits out SLURM's BeginTime delay (about 2 min); the test starts it at once."""
+    f = slurm_local.job_fields(job)
+    if f["JobState"] in ("FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL"):
+        raise AssertionError(f"job {job} {f['JobState']} after {f.get('Restarts')} requeue(s): {f}")
+    if f.get("Restarts") != restarts:
+        return False
+    if f["JobState"] == "PENDING" and f.get("Reason") == "BeginTime":
+        slurm_local.run(["scontrol", "update", f"JobId={job}", "StartTime=now"])
+    return f["JobState"] == "RUNNING"
+
+
+def _checkpoints(run_dir: Path) -> list[int]:
+    return sorted(int(p.name[5:]) for p in (run_dir / "train").glob("step_[0-9]*") if p.name[5:].isdigit())
+
+
+def test_submit_runs_the_chain_as_jobs_preempted_and_requeued_and_a_second_submit_submits_nothing(
+    cluster, tmp_path, reference, cache_dir
+):
     eaglepipe = str(Path(sys.executable).parent / "eaglepipe")
     run_dir = tmp_path / "chain"
     cmd = [eaglepipe, "submit", *COMMON, *SUBMIT, f"run_dir={run_dir}", f"cache_dir={cache_dir}"]
-    r = slurm_local.run([*cmd, "submit.wait=true"], timeout=600)
-    assert r.returncode == 0, r.stderr[-3000:]
-    jobs = json.loads((run_dir / "cluster" / "jobs.json").read_text())["stages"]
+    r = slurm_local.run(cmd)
+    out = r.stdout + r.stderr  # a tool's log goes to stdout
+    assert r.returncode == 0, out[-3000:]
     order = ["prepare", "extract", "vocab", "train", "export", "evaluate"]
+    jobs = json.loads((run_dir / "cluster" / "jobs.json").read_text())["stages"]
     assert sorted(jobs) == sorted(order)
-    for stage, entry in jobs.items():
-        assert f"submit: {stage:<8} job {entry['job_id']} submitted" in r.stderr
-        assert slurm_local.job_fields(entry["job_id"])["JobState"] == "COMPLETED"
+    for stage in order:
+        assert f"submit: {stage:<8} job {jobs[stage]['job_id']} submitted" in out, out
     assert [jobs[s]["ranks"] for s in order] == [1, 2, 1, 2, 1, 1]
-    assert [jobs[s]["after"] for s in order] == [None] + [jobs[s]["job_id"] for s in order[:-1]]
-    assert jobs["extract"]["after"] == jobs["prepare"]["job_id"]  # chained by afterok
-    assert slurm_local.job_fields(jobs["extract"]["job_id"])["Dependency"] in ("(null)", "")
+    assert [jobs[s]["after"] for s in order] == [None] + [jobs[s]["job_id"] for s in order[:-1]]  # afterok
+
+    train = jobs["train"]["job_id"]  # SLURM's warning signal mid-run, as --signal=B:USR2@N sends it
+    _wait("train's first checkpoint", lambda: _checkpoints(run_dir))
+    slurm_local.run(["scancel", "--batch", "--signal=USR2", train])
+    _wait("the signalled job to be requeued and run again", lambda: _start_now_if_waiting(train, "1"))
+    first = _checkpoints(run_dir)[-1]  # written on the signal; the requeued job resumes from it
+    _wait("a newer checkpoint", lambda: _checkpoints(run_dir)[-1] > first)
+    slurm_local.run(["scontrol", "requeue", train])  # a hard requeue, no warning
+    _wait("the hard-requeued job to run again", lambda: _start_now_if_waiting(train, "2"))
+
+    follow = slurm_local.run([*cmd, "submit.wait=true"], timeout=600)  # keeps the jobs, follows them
+    out = follow.stdout + follow.stderr
+    assert follow.returncode == 0, out[-3000:]
+    assert f"submit: train    job {train} kept" in out and "the chain finished (3 job(s))" in out, (
+        out
+    )  # train, export, evaluate
+    assert all(slurm_local.job_fields(jobs[s]["job_id"])["JobState"] == "COMPLETED" for s in order)
+    assert slurm_local.job_fields(train)["Restarts"] == "2"
+    log = Path(jobs["train"]["log"]).read_text(errors="replace")  # a killed task may cut a character
+    resumed = sorted(
+        {int(n) for n in re.findall(r"train: resumed from \S+/step_(\d+) ", log)}
+    )  # every rank logs
+    assert f"requeueing SLURM job {train}" in log and len(resumed) == 2 and resumed[0] == first, log[-3000:]
     summary = _summary(run_dir)
-    assert summary["world_size"] == 2 and summary["rank_layout"]["launcher"] == "slurm"
-    assert (run_dir / "eval").is_dir()
-    again = slurm_local.run(cmd, timeout=300)
-    assert again.returncode == 0, again.stderr[-3000:]
-    assert "every stage is up to date; nothing submitted" in again.stderr
-    assert "submitted" not in again.stderr.replace("nothing submitted", "")
+    assert summary["world_size"] == 2 and summary["optimizer_steps"] == _summary(reference)["optimizer_steps"]
+    assert summary["rank_layout"] == {
+        "launcher": "slurm",
+        "nodes": 1,
+        "ranks_per_node": 2,
+        "rendezvous": f"{slurm_local.job_host()}:{10000 + int(train) % 20000}",
+        "slurm_job_id": train,
+    }
+    assert _summary(reference)["rank_layout"]["launcher"] == "torchrun"
+    assert _same(_final(run_dir), _final(reference))  # signalled, requeued twice: the uninterrupted weights
+
+    again = slurm_local.run(cmd)
+    out = again.stdout + again.stderr
+    assert again.returncode == 0 and "every stage is up to date; nothing submitted" in out, out[-3000:]
+    assert "submitted" not in out.replace("nothing submitted", "")
 
 
-@pytest.mark.parametrize(
-    "override, line",
-    [
-        ("submit.partition=gpu", "partition gpu does not exist (sinfo lists: debug): set submit.partition"),
-        ("submit.cpus_per_rank=64", "extract asks for 128 CPUs, 0 GPUs, 2 GB on one node"),
-    ],
-)
-def test_submit_refuses_what_the_cluster_cannot_run_in_one_line_submitting_nothing(
-    cluster, tmp_path, override, line
+def test_a_requeued_train_job_that_lands_with_one_task_resumes_on_one_rank(
+    cluster, store, reference, cache_dir
 ):
+    """Elastic resume: the job is held at its requeue, given one task instead of two, and released."""
+    run_dir = _copy_inputs(store, store.parent / "E")
+    eaglepipe = str(Path(sys.executable).parent / "eaglepipe")
+    r = slurm_local.run(
+        [eaglepipe, "submit", *COMMON, *SUBMIT, f"run_dir={run_dir}", f"cache_dir={cache_dir}"]
+    )
+    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+    jobs = json.loads((run_dir / "cluster" / "jobs.json").read_text())["stages"]
+    assert sorted(jobs) == ["evaluate", "export", "train"]  # the copied stages are up to date
+    train = jobs["train"]["job_id"]
+    _wait("train's first checkpoint", lambda: _checkpoints(run_dir))
+    slurm_local.run(["scontrol", "requeuehold", train])
+    _wait("the job held", lambda: slurm_local.job_fields(train)["JobState"] == "PENDING")
+    update = slurm_local.run(["scontrol", "update", f"JobId={train}", "NumTasks=1", "NumCPUs=1"])
+    assert update.returncode == 0, update.stderr
+    slurm_local.run(["scontrol", "release", train])
+    _wait("the job to run again with one task", lambda: _start_now_if_waiting(train, "1"))
+    _wait("train COMPLETED", lambda: slurm_local.job_fields(train)["JobState"] == "COMPLETED", 120)
+    slurm_local.run(["scancel", jobs["export"]["job_id"], jobs["evaluate"]["job_id"]])
+    summary = _summary(run_dir)
+    assert summary["world_size"] == 1, summary  # the packs left, on one rank: every one trained once
+    assert summary["optimizer_steps"] > _summary(reference)["optimizer_steps"], summary
+    assert slurm_local.job_fields(train)["NumTasks"] == "1"
+    log = Path(jobs["train"]["log"]).read_text(errors="replace")  # a killed task may cut a character
+    resumed = r"train: resumed from \S+step_0000\d\d \(step \d+, .*\), on 1 rank\(s\)"
+    assert re.search(resumed, log), log[-3000:]
+
+
+def test_a_job_that_fails_mid_chain_names_its_log_and_its_dependents_are_cancelled(cluster, tmp_path):
+    data = tmp_path / "empty.jsonl"
+    data.write_text('{"messages": []}\n')  # passes the checks (the file exists); prepare finds nothing in it
+    eaglepipe = str(Path(sys.executable).parent / "eaglepipe")
+    run_dir = tmp_path / "failing"
+    r = slurm_local.run(
+        [eaglepipe, "submit", *COMMON, *SUBMIT, "data=messages", f"data.path={data}", "submit.wait=true"]
+        + [f"run_dir={run_dir}"]
+    )
+    jobs = json.loads((run_dir / "cluster" / "jobs.json").read_text())["stages"]
+    prepare = jobs["prepare"]["job_id"]
+    rest = [jobs[s]["job_id"] for s in ("extract", "vocab", "train", "export", "evaluate")]
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-3000:]
+    assert (
+        f"stage prepare: job {prepare} FAILED (exit 2:0); its log: {jobs['prepare']['log']}; "
+        f"5 job(s) after it cancelled ({', '.join(rest)})" in r.stderr
+    )
+    assert "no usable conversation" in Path(jobs["prepare"]["log"]).read_text(errors="replace")
+    assert {slurm_local.job_fields(j)["JobState"] for j in rest} == {"CANCELLED"}
+
+
+def test_submit_refuses_a_partition_that_does_not_exist_in_one_line_submitting_nothing(cluster, tmp_path):
     eaglepipe = str(Path(sys.executable).parent / "eaglepipe")
     run_dir = tmp_path / "bad"
-    r = slurm_local.run([eaglepipe, "submit", *COMMON, *SUBMIT, override, f"run_dir={run_dir}"])
+    r = slurm_local.run([eaglepipe, "submit", *COMMON, *SUBMIT, "submit.partition=gpu", f"run_dir={run_dir}"])
+    line = "partition gpu does not exist (sinfo lists: debug): set submit.partition"
     assert r.returncode == 2 and line in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
     assert not (run_dir / "cluster" / "jobs.json").exists()
 
 
-def test_submit_without_slurm_says_what_is_missing(tmp_path):
-    eaglepipe = str(Path(sys.executable).parent / "eaglepipe")
-    env = {**slurm_local.env(), "PATH": str(Path(sys.executable).parent)}  # no sbatch, no sinfo on PATH
-    r = subprocess.run(
-        [eaglepipe, "submit", *COMMON, *SUBMIT, f"run_dir={tmp_path / 'x'}"],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=ROOT,
-        timeout=120,
+def test_a_request_larger_than_any_node_is_refused_before_anything_is_submitted(
+    cluster, make_cfg, monkeypatch
+):
+    monkeypatch.setenv("SLURM_CONF", str(slurm_local.CONF))
+    cfg = make_cfg(*COMMON, *SUBMIT, "submit.cpus_per_rank=64")
+    line = (
+        r"prepare asks for 64 CPUs.*; extract asks for 128 CPUs, 0 GPUs, 2 GB on one node: the largest node"
     )
-    assert r.returncode == 2 and "sinfo not found: SLURM's client commands are not installed" in r.stderr
+    with pytest.raises(UserError, match=line):
+        chain.check_fits(cfg, ["prepare", "extract"], ("extract", "train"))
+
+
+def test_slurm_commands_missing_or_the_controller_down_are_one_line(cluster, monkeypatch, tmp_path):
+    monkeypatch.setenv("PATH", str(tmp_path))  # no sinfo here
+    with pytest.raises(UserError, match="sinfo not found: SLURM's client commands are not installed"):
+        slurm.nodes(None)
+    monkeypatch.undo()
+    conf = tmp_path / "slurm.conf"  # a controller nobody runs
+    conf.write_text(slurm_local.CONF.read_text().replace("SlurmctldPort=", "SlurmctldPort=1"))
+    monkeypatch.setenv("SLURM_CONF", str(conf))
+    with pytest.raises(UserError, match="slurmctld does not answer"):
+        slurm.nodes(None)
