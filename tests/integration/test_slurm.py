@@ -156,6 +156,7 @@ SUBMIT = [  # the chain's jobs cut to the local node: 2 ranks for extract and tr
     "submit.poll_s=1",
     "eval.device=cpu",
     "extract.device=cpu",
+    "export.engines=[sglang]",  # one engine's check: the export stage is the chain's longest job here
 ]
 
 
@@ -321,7 +322,9 @@ def test_slurm_commands_missing_or_the_controller_down_are_one_line(cluster, mon
         slurm.nodes(None)
     monkeypatch.undo()
     conf = tmp_path / "slurm.conf"  # a controller nobody runs
-    conf.write_text(slurm_local.CONF.read_text().replace("SlurmctldPort=", "SlurmctldPort=1"))
+    conf.write_text(
+        slurm_local.CONF.read_text().replace("SlurmctldPort=", "SlurmctldPort=1") + "MessageTimeout=1\n"
+    )
     monkeypatch.setenv("SLURM_CONF", str(conf))
     with pytest.raises(UserError, match="slurmctld does not answer"):
         slurm.nodes(None)
