@@ -82,7 +82,10 @@ SlurmdPort=$((PORT + 1))
 SlurmUser=$(id -un)
 AuthType=auth/munge
 CredType=cred/munge
-AuthInfo=socket=$DIR/munge/munge.socket.2
+# cred_expire: also how long a requeued job waits before it may start again (cred_expire + 1 s; SLURM's
+# default is 120 s). The wait keeps a restart from being refused on the revoked credential of the run it
+# replaces: starting it sooner (scontrol update StartTime=now) failed a restart in the same second, exit 1.
+AuthInfo=socket=$DIR/munge/munge.socket.2,cred_expire=10
 StateSaveLocation=$DIR/ctld
 SlurmdSpoolDir=$DIR/spool
 SlurmctldPidFile=$(pidfile slurmctld)
@@ -94,6 +97,8 @@ TaskPlugin=task/none
 SelectType=select/cons_tres
 SelectTypeParameters=CR_CPU
 SchedulerType=sched/builtin
+# the scheduler's pass over pending jobs every second (60 s by default): a requeued job starts when its wait ends
+SchedulerParameters=sched_interval=1
 SwitchType=switch/none
 MpiDefault=none
 JobAcctGatherType=jobacct_gather/none

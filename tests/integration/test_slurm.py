@@ -170,16 +170,14 @@ def _wait(what: str, until, timeout: float = 240):
     raise AssertionError(f"waited {timeout} s for {what}")
 
 
-def _start_now_if_waiting(job: str, restarts: str) -> bool:
-    """A requeued job waits out SLURM's BeginTime delay (about 2 min); the test starts it at once."""
+def _running_again(job: str, restarts: str) -> bool:
+    """A requeued job waits out SLURM's own delay (AuthInfo=cred_expire + 1 s: 11 s on the local cluster) and
+    runs again; never started sooner (a restart in the second its previous run was killed is refused)."""
     f = slurm_local.job_fields(job)
     if f["JobState"] in ("FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL"):
-        raise AssertionError(f"job {job} {f['JobState']} after {f.get('Restarts')} requeue(s): {f}")
-    if f.get("Restarts") != restarts:
-        return False
-    if f["JobState"] == "PENDING" and f.get("Reason") == "BeginTime":
-        slurm_local.run(["scontrol", "update", f"JobId={job}", "StartTime=now"])
-    return f["JobState"] == "RUNNING"
+        log = Path(f.get("StdOut", "")).read_text(errors="replace")[-3000:] if f.get("StdOut") else ""
+        raise AssertionError(f"job {job} {f['JobState']} after {f.get('Restarts')} requeue(s): {f}\n{log}")
+    return f.get("Restarts") == restarts and f["JobState"] == "RUNNING"
 
 
 def _checkpoints(run_dir: Path) -> list[int]:
@@ -206,11 +204,11 @@ def test_submit_runs_the_chain_as_jobs_preempted_and_requeued_and_a_second_submi
     train = jobs["train"]["job_id"]  # SLURM's warning signal mid-run, as --signal=B:USR2@N sends it
     _wait("train's first checkpoint", lambda: _checkpoints(run_dir))
     slurm_local.run(["scancel", "--batch", "--signal=USR2", train])
-    _wait("the signalled job to be requeued and run again", lambda: _start_now_if_waiting(train, "1"))
+    _wait("the signalled job to be requeued and run again", lambda: _running_again(train, "1"))
     first = _checkpoints(run_dir)[-1]  # written on the signal; the requeued job resumes from it
     _wait("a newer checkpoint", lambda: _checkpoints(run_dir)[-1] > first)
     slurm_local.run(["scontrol", "requeue", train])  # a hard requeue, no warning
-    _wait("the hard-requeued job to run again", lambda: _start_now_if_waiting(train, "2"))
+    _wait("the hard-requeued job to run again", lambda: _running_again(train, "2"))
 
     follow = slurm_local.run([*cmd, "submit.wait=true"], timeout=600)  # keeps the jobs, follows them
     out = follow.stdout + follow.stderr
@@ -262,7 +260,7 @@ def test_a_requeued_train_job_that_lands_with_one_task_resumes_on_one_rank(
     update = slurm_local.run(["scontrol", "update", f"JobId={train}", "NumTasks=1", "NumCPUs=1"])
     assert update.returncode == 0, update.stderr
     slurm_local.run(["scontrol", "release", train])
-    _wait("the job to run again with one task", lambda: _start_now_if_waiting(train, "1"))
+    _wait("the job to run again with one task", lambda: _running_again(train, "1"))
     _wait("train COMPLETED", lambda: slurm_local.job_fields(train)["JobState"] == "COMPLETED", 120)
     slurm_local.run(["scancel", jobs["export"]["job_id"], jobs["evaluate"]["job_id"]])
     summary = _summary(run_dir)
