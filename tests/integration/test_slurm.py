@@ -175,7 +175,8 @@ def _running_again(job: str, restarts: str) -> bool:
     runs again; never started sooner (a restart in the second its previous run was killed is refused)."""
     f = slurm_local.job_fields(job)
     if f["JobState"] in ("FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL"):
-        log = Path(f.get("StdOut", "")).read_text(errors="replace")[-3000:] if f.get("StdOut") else ""
+        out = Path(f.get("StdOut") or "/nonexistent")  # a job refused at launch may have written no log
+        log = out.read_text(errors="replace")[-3000:] if out.is_file() else f"(no log at {out})"
         raise AssertionError(f"job {job} {f['JobState']} after {f.get('Restarts')} requeue(s): {f}\n{log}")
     return f.get("Restarts") == restarts and f["JobState"] == "RUNNING"
 
