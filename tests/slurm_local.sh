@@ -83,9 +83,10 @@ SlurmUser=$(id -un)
 AuthType=auth/munge
 CredType=cred/munge
 # cred_expire: also how long a requeued job waits before it may start again (cred_expire + 1 s; SLURM's
-# default is 120 s). The wait keeps a restart from being refused on the revoked credential of the run it
-# replaces: starting it sooner (scontrol update StartTime=now) failed a restart in the same second, exit 1.
-AuthInfo=socket=$DIR/munge/munge.socket.2,cred_expire=10
+# default is 120 s, its minimum 5). The wait keeps a restart from being refused on the revoked credential of
+# the run it replaces: starting it sooner (scontrol update StartTime=now) failed a restart in the same
+# second, exit 1.
+AuthInfo=socket=$DIR/munge/munge.socket.2,cred_expire=5
 StateSaveLocation=$DIR/ctld
 SlurmdSpoolDir=$DIR/spool
 SlurmctldPidFile=$(pidfile slurmctld)

@@ -46,14 +46,20 @@ def request(cfg, stage: str, multi_rank) -> dict:
     }
 
 
-def check_fits(cfg, stages: list[str], multi_rank) -> None:
-    """Every job's request against the partition's nodes, before anything is submitted."""
+def partition_nodes(cfg) -> list[dict]:
+    """submit.partition's nodes; a partition that does not exist is one line. `eaglepipe submit` asks first,
+    before the checks that import the stages' libraries (seconds), and again before it submits."""
     part = cfg.submit.partition
-    nodes = slurm.nodes(part)
-    if not nodes:
+    if not (nodes := slurm.nodes(part)):
         known = ", ".join(slurm.partitions()) or "none"
         which = f"partition {part} does not exist" if part else "the cluster has no default partition"
         raise UserError(f"{which} (sinfo lists: {known}): set submit.partition")
+    return nodes
+
+
+def check_fits(cfg, stages: list[str], multi_rank) -> None:
+    """Every job's request against the partition's nodes, before anything is submitted."""
+    part, nodes = cfg.submit.partition, partition_nodes(cfg)
     best = {k: max(n[k] for n in nodes) for k in ("cpus", "gpus", "mem_mb")}
     bad = []
     for stage in stages:

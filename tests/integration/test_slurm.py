@@ -2,14 +2,17 @@
 (tests/slurm_local.py brings it up, or uses one that is up, and takes it down at the end). No mocks: sbatch,
 srun, submitit's SLURM executor, scancel's signals and scontrol requeue act on real jobs.
 
-One store (tiny); each run trains 40 steps of 2 packs, checkpointing every 5:
-  R: torchrun, 2 ranks, on a copy of the store (the reference)
-  L: `eaglepipe -m hydra/launcher=slurm hydra.launcher.tasks_per_node=2` over two sweep points:
-     submitit's jobs of 2 tasks each, 2 ranks from SLURM's variables, each point in its own run dir
+Each run trains 20 steps of 2 packs, checkpointing every 4, on the same inputs:
   C: `eaglepipe submit`: prepare -> evaluate as six batch jobs; its train job (srun, 2 tasks) gets SLURM's
      warning signal mid-run (checkpoint, requeue itself), then a hard `scontrol requeue` (resume from the
      newest checkpoint); the second submit follows the jobs it keeps, the third submits nothing
-All end at the same weights."""
+  L: `eaglepipe -m hydra/launcher=slurm hydra.launcher.tasks_per_node=2` over two sweep points, on copies of
+     C's prepared data, features and vocabulary: submitit's jobs of 2 tasks each, 2 ranks from SLURM's
+     variables, each point in its own run dir, never interrupted
+  E: C's inputs again, its train job held at a requeue, given one task instead of two, released
+C and both points of L end at the same weights (the interrupted run at the uninterrupted one's). The runs
+share their inputs because every SLURM job pays a process start (torch, Hydra, the pipeline) of seconds on
+this 2-core machine; the store is built once, by C's own jobs."""
 
 import json
 import re
@@ -26,15 +29,15 @@ from safetensors.torch import load_file
 
 from pipeline.cluster import chain, slurm
 from pipeline.errors import UserError
-from pipeline.runner import run_stages
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 ROOT = Path(__file__).resolve().parents[2]
+EAGLEPIPE = str(Path(sys.executable).parent / "eaglepipe")
 COMMON = [
     "+experiment=tiny",
-    "data.limit=40",
-    "train.max_steps=40",
-    "train.save_every_steps=5",
+    "data.limit=16",
+    "train.max_steps=20",
+    "train.save_every_steps=4",
     "train.keep_last=10",
     "train.val_every_steps=1000",
     "train.device=cpu",
@@ -56,18 +59,26 @@ def cluster():
     c.close()
 
 
-@pytest.fixture(scope="module")
-def store(make_cfg, tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("slurm") / "store"
-    for stage in ("prepare", "extract", "vocab"):
-        run_stages(make_cfg(*COMMON, f"stage={stage}", run_dir=root))
-    return root
+SUBMIT = [  # the chain's jobs cut to the local node: 2 ranks for extract and train, 1 CPU each
+    "submit.ranks=2",
+    "submit.gpus_per_rank=0",
+    "submit.cpus_per_rank=1",
+    "submit.mem_gb_per_rank=1",
+    "submit.poll_s=1",
+    "eval.device=cpu",
+    "extract.device=cpu",
+    "export.engines=[sglang]",  # one engine's check: the export stage is the chain's longest job here
+]
+INPUTS = ("prepare", "extract", "vocab")  # the stages whose outputs the sweep and the elastic run reuse
 
 
 def _copy_inputs(src: Path, dst: Path) -> Path:
+    """prepared/, features/, vocab/ and their records: a run dir whose first stale stage is train."""
     dst.mkdir(parents=True)
-    for name in ("prepared", "features", "vocab", "stages.json"):
-        (shutil.copytree if (src / name).is_dir() else shutil.copy)(src / name, dst / name)
+    for name in ("prepared", "features", "vocab"):
+        shutil.copytree(src / name, dst / name)
+    records = json.loads((src / "stages.json").read_text())
+    (dst / "stages.json").write_text(json.dumps({s: records[s] for s in INPUTS}, indent=1))
     return dst
 
 
@@ -83,40 +94,81 @@ def _summary(run_dir: Path) -> dict:
     return json.loads((run_dir / "train" / "final" / "train_summary.json").read_text())
 
 
+def _wait(what: str, until, timeout: float = 240):
+    """Poll until `until()` gives a truthy value (0.1 s apart); the value."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if value := until():
+            return value
+        time.sleep(0.1)
+    raise AssertionError(f"waited {timeout} s for {what}")
+
+
+def _running_again(job: str, restarts: str) -> bool:
+    """A requeued job waits out SLURM's own delay (AuthInfo=cred_expire + 1 s: 6 s on the local cluster) and
+    runs again; never started sooner (a restart in the second its previous run was killed is refused)."""
+    f = slurm_local.job_fields(job)
+    if f["JobState"] in ("FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL"):
+        out = Path(f.get("StdOut") or "/nonexistent")  # a job refused at launch may have written no log
+        log = out.read_text(errors="replace")[-3000:] if out.is_file() else f"(no log at {out})"
+        raise AssertionError(f"job {job} {f['JobState']} after {f.get('Restarts')} requeue(s): {f}\n{log}")
+    return f.get("Restarts") == restarts and f["JobState"] == "RUNNING"
+
+
+def _checkpoints(run_dir: Path) -> list[int]:
+    return sorted(int(p.name[5:]) for p in (run_dir / "train").glob("step_[0-9]*") if p.name[5:].isdigit())
+
+
 @pytest.fixture(scope="module")
-def reference(store, cache_dir) -> Path:
-    """R: the same training under torchrun, 2 ranks."""
-    run_dir = _copy_inputs(store, store.parent / "R")
-    r = slurm_local.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc-per-node=2",
-            "-m",
-            "pipeline",
-        ]
-        + [*COMMON, "stage=train", f"run_dir={run_dir}", f"cache_dir={cache_dir}"]
-    )
-    assert r.returncode == 0, r.stderr[-3000:]
-    return run_dir
+def submitted(cluster, tmp_path_factory, cache_dir) -> dict:
+    """C: the chain submitted; its train job signalled, then hard-requeued; followed; submitted again."""
+    run_dir = tmp_path_factory.mktemp("slurm") / "C"
+    cmd = [EAGLEPIPE, "submit", *COMMON, *SUBMIT, f"run_dir={run_dir}", f"cache_dir={cache_dir}"]
+    r = slurm_local.run(cmd)
+    first = r.stdout + r.stderr  # a tool's log goes to stdout
+    assert r.returncode == 0, first[-3000:]
+    jobs = json.loads((run_dir / "cluster" / "jobs.json").read_text())["stages"]
+
+    train = jobs["train"]["job_id"]  # SLURM's warning signal mid-run, as --signal=B:USR2@N sends it
+    _wait("train's first checkpoint", lambda: _checkpoints(run_dir))
+    slurm_local.run(["scancel", "--batch", "--signal=USR2", train])
+    _wait("the signalled job to be requeued and run again", lambda: _running_again(train, "1"))
+    signalled = _checkpoints(run_dir)[-1]  # written on the signal; the requeued job resumes from it
+    _wait("a newer checkpoint", lambda: _checkpoints(run_dir)[-1] > signalled)
+    slurm_local.run(["scontrol", "requeue", train])  # a hard requeue, no warning
+    _wait("the hard-requeued job to run again", lambda: _running_again(train, "2"))
+
+    follow = slurm_local.run([*cmd, "submit.wait=true"], timeout=600)  # keeps the jobs, follows them
+    assert follow.returncode == 0, (follow.stdout + follow.stderr)[-3000:]
+    again = slurm_local.run(cmd)
+    return {
+        "run_dir": run_dir,
+        "jobs": jobs,
+        "first": first,
+        "signalled": signalled,
+        "follow": follow.stdout + follow.stderr,
+        "again": again,
+    }
 
 
-def test_a_sweep_on_the_slurm_launcher_trains_each_point_on_two_ranks_in_its_own_dir(
-    cluster, store, reference, cache_dir
-):
-    base = store.parent / "L"
+@pytest.fixture(scope="module")
+def sweep(submitted, cache_dir) -> dict:
+    """L: two sweep points on the slurm launcher, 2 tasks each, on copies of the chain's inputs."""
+    base = submitted["run_dir"].parent / "L"
     for n in ("0", "1"):  # the multirun's job N works in ${run_dir}/N
-        _copy_inputs(store, base / n)
-    eaglepipe = str(Path(sys.executable).parent / "eaglepipe")
+        _copy_inputs(submitted["run_dir"], base / n)
     r = slurm_local.run(
-        [eaglepipe, "-m", *LAUNCHER, "stage=train", *COMMON, "train.log_every_steps=5,10"]
+        [EAGLEPIPE, "-m", *LAUNCHER, "stage=train", *COMMON, "train.log_every_steps=5,10"]
         + [f"run_dir={base}", f"cache_dir={cache_dir}"],
         timeout=600,
     )
     logs = "".join(p.read_text() for p in sorted((base / ".submitit").rglob("*_log.*")))
     assert r.returncode == 0, r.stderr[-3000:] + logs[-3000:]
+    return {"base": base, "logs": logs}
+
+
+def test_a_sweep_on_the_slurm_launcher_trains_each_point_on_two_ranks_in_its_own_dir(sweep):
+    base, logs = sweep["base"], sweep["logs"]
     # an array job's tasks (ARRAY_TASK), beside its submission folder and submitit's own links
     jobs = sorted(p.name for p in (base / ".submitit").iterdir() if p.is_dir() and "_" in p.name)
     assert len(jobs) == 2, jobs
@@ -130,7 +182,7 @@ def test_a_sweep_on_the_slurm_launcher_trains_each_point_on_two_ranks_in_its_own
     for n in ("0", "1"):
         summary = _summary(base / n)
         assert summary["world_size"] == 2 and summary["rank_layout"]["launcher"] == "slurm"
-        assert _same(_final(base / n), _final(reference))
+    assert _same(_final(base / "0"), _final(base / "1"))  # the points differ only in their log interval
 
 
 def test_the_local_cluster_script_is_idempotent_and_reports_its_state(cluster):
@@ -148,72 +200,18 @@ def test_the_local_cluster_script_is_idempotent_and_reports_its_state(cluster):
         assert f"{daemon}: running (pid " in status.stdout
 
 
-SUBMIT = [  # the chain's jobs cut to the local node: 2 ranks for extract and train, 1 CPU each
-    "submit.ranks=2",
-    "submit.gpus_per_rank=0",
-    "submit.cpus_per_rank=1",
-    "submit.mem_gb_per_rank=1",
-    "submit.poll_s=1",
-    "eval.device=cpu",
-    "extract.device=cpu",
-    "export.engines=[sglang]",  # one engine's check: the export stage is the chain's longest job here
-]
-
-
-def _wait(what: str, until, timeout: float = 240):
-    """Poll until `until()` gives a truthy value (0.1 s apart); the value."""
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if value := until():
-            return value
-        time.sleep(0.1)
-    raise AssertionError(f"waited {timeout} s for {what}")
-
-
-def _running_again(job: str, restarts: str) -> bool:
-    """A requeued job waits out SLURM's own delay (AuthInfo=cred_expire + 1 s: 11 s on the local cluster) and
-    runs again; never started sooner (a restart in the second its previous run was killed is refused)."""
-    f = slurm_local.job_fields(job)
-    if f["JobState"] in ("FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL"):
-        out = Path(f.get("StdOut") or "/nonexistent")  # a job refused at launch may have written no log
-        log = out.read_text(errors="replace")[-3000:] if out.is_file() else f"(no log at {out})"
-        raise AssertionError(f"job {job} {f['JobState']} after {f.get('Restarts')} requeue(s): {f}\n{log}")
-    return f.get("Restarts") == restarts and f["JobState"] == "RUNNING"
-
-
-def _checkpoints(run_dir: Path) -> list[int]:
-    return sorted(int(p.name[5:]) for p in (run_dir / "train").glob("step_[0-9]*") if p.name[5:].isdigit())
-
-
 def test_submit_runs_the_chain_as_jobs_preempted_and_requeued_and_a_second_submit_submits_nothing(
-    cluster, tmp_path, reference, cache_dir
+    submitted, sweep
 ):
-    eaglepipe = str(Path(sys.executable).parent / "eaglepipe")
-    run_dir = tmp_path / "chain"
-    cmd = [eaglepipe, "submit", *COMMON, *SUBMIT, f"run_dir={run_dir}", f"cache_dir={cache_dir}"]
-    r = slurm_local.run(cmd)
-    out = r.stdout + r.stderr  # a tool's log goes to stdout
-    assert r.returncode == 0, out[-3000:]
+    run_dir, jobs, out = submitted["run_dir"], submitted["jobs"], submitted["first"]
     order = ["prepare", "extract", "vocab", "train", "export", "evaluate"]
-    jobs = json.loads((run_dir / "cluster" / "jobs.json").read_text())["stages"]
     assert sorted(jobs) == sorted(order)
     for stage in order:
         assert f"submit: {stage:<8} job {jobs[stage]['job_id']} submitted" in out, out
     assert [jobs[s]["ranks"] for s in order] == [1, 2, 1, 2, 1, 1]
     assert [jobs[s]["after"] for s in order] == [None] + [jobs[s]["job_id"] for s in order[:-1]]  # afterok
 
-    train = jobs["train"]["job_id"]  # SLURM's warning signal mid-run, as --signal=B:USR2@N sends it
-    _wait("train's first checkpoint", lambda: _checkpoints(run_dir))
-    slurm_local.run(["scancel", "--batch", "--signal=USR2", train])
-    _wait("the signalled job to be requeued and run again", lambda: _running_again(train, "1"))
-    first = _checkpoints(run_dir)[-1]  # written on the signal; the requeued job resumes from it
-    _wait("a newer checkpoint", lambda: _checkpoints(run_dir)[-1] > first)
-    slurm_local.run(["scontrol", "requeue", train])  # a hard requeue, no warning
-    _wait("the hard-requeued job to run again", lambda: _running_again(train, "2"))
-
-    follow = slurm_local.run([*cmd, "submit.wait=true"], timeout=600)  # keeps the jobs, follows them
-    out = follow.stdout + follow.stderr
-    assert follow.returncode == 0, out[-3000:]
+    train, out = jobs["train"]["job_id"], submitted["follow"]
     assert f"submit: train    job {train} kept" in out and "the chain finished (3 job(s))" in out, (
         out
     )  # train, export, evaluate
@@ -223,8 +221,9 @@ def test_submit_runs_the_chain_as_jobs_preempted_and_requeued_and_a_second_submi
     resumed = sorted(
         {int(n) for n in re.findall(r"train: resumed from \S+/step_(\d+) ", log)}
     )  # every rank logs
-    assert f"requeueing SLURM job {train}" in log and len(resumed) == 2 and resumed[0] == first, log[-3000:]
-    summary = _summary(run_dir)
+    assert f"requeueing SLURM job {train}" in log, log[-3000:]
+    assert len(resumed) == 2 and resumed[0] == submitted["signalled"], log[-3000:]
+    summary, reference = _summary(run_dir), sweep["base"] / "0"
     assert summary["world_size"] == 2 and summary["optimizer_steps"] == _summary(reference)["optimizer_steps"]
     assert summary["rank_layout"] == {
         "launcher": "slurm",
@@ -233,23 +232,19 @@ def test_submit_runs_the_chain_as_jobs_preempted_and_requeued_and_a_second_submi
         "rendezvous": f"{slurm_local.job_host()}:{10000 + int(train) % 20000}",
         "slurm_job_id": train,
     }
-    assert _summary(reference)["rank_layout"]["launcher"] == "torchrun"
     assert _same(_final(run_dir), _final(reference))  # signalled, requeued twice: the uninterrupted weights
 
-    again = slurm_local.run(cmd)
+    again = submitted["again"]
     out = again.stdout + again.stderr
     assert again.returncode == 0 and "every stage is up to date; nothing submitted" in out, out[-3000:]
     assert "submitted" not in out.replace("nothing submitted", "")
 
 
-def test_a_requeued_train_job_that_lands_with_one_task_resumes_on_one_rank(
-    cluster, store, reference, cache_dir
-):
+def test_a_requeued_train_job_that_lands_with_one_task_resumes_on_one_rank(submitted, sweep, cache_dir):
     """Elastic resume: the job is held at its requeue, given one task instead of two, and released."""
-    run_dir = _copy_inputs(store, store.parent / "E")
-    eaglepipe = str(Path(sys.executable).parent / "eaglepipe")
+    run_dir = _copy_inputs(submitted["run_dir"], submitted["run_dir"].parent / "E")
     r = slurm_local.run(
-        [eaglepipe, "submit", *COMMON, *SUBMIT, f"run_dir={run_dir}", f"cache_dir={cache_dir}"]
+        [EAGLEPIPE, "submit", *COMMON, *SUBMIT, f"run_dir={run_dir}", f"cache_dir={cache_dir}"]
     )
     assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
     jobs = json.loads((run_dir / "cluster" / "jobs.json").read_text())["stages"]
@@ -264,9 +259,9 @@ def test_a_requeued_train_job_that_lands_with_one_task_resumes_on_one_rank(
     _wait("the job to run again with one task", lambda: _running_again(train, "1"))
     _wait("train COMPLETED", lambda: slurm_local.job_fields(train)["JobState"] == "COMPLETED", 120)
     slurm_local.run(["scancel", jobs["export"]["job_id"], jobs["evaluate"]["job_id"]])
-    summary = _summary(run_dir)
+    summary, reference = _summary(run_dir), _summary(sweep["base"] / "0")
     assert summary["world_size"] == 1, summary  # the packs left, on one rank: every one trained once
-    assert summary["optimizer_steps"] > _summary(reference)["optimizer_steps"], summary
+    assert summary["optimizer_steps"] > reference["optimizer_steps"], summary
     assert slurm_local.job_fields(train)["NumTasks"] == "1"
     log = Path(jobs["train"]["log"]).read_text(errors="replace")  # a killed task may cut a character
     resumed = r"train: resumed from \S+step_0000\d\d \(step \d+, .*\), on 1 rank\(s\)"
@@ -276,10 +271,9 @@ def test_a_requeued_train_job_that_lands_with_one_task_resumes_on_one_rank(
 def test_a_job_that_fails_mid_chain_names_its_log_and_its_dependents_are_cancelled(cluster, tmp_path):
     data = tmp_path / "empty.jsonl"
     data.write_text('{"messages": []}\n')  # passes the checks (the file exists); prepare finds nothing in it
-    eaglepipe = str(Path(sys.executable).parent / "eaglepipe")
     run_dir = tmp_path / "failing"
     r = slurm_local.run(
-        [eaglepipe, "submit", *COMMON, *SUBMIT, "data=messages", f"data.path={data}", "submit.wait=true"]
+        [EAGLEPIPE, "submit", *COMMON, *SUBMIT, "data=messages", f"data.path={data}", "submit.wait=true"]
         + [f"run_dir={run_dir}"]
     )
     jobs = json.loads((run_dir / "cluster" / "jobs.json").read_text())["stages"]
@@ -295,9 +289,8 @@ def test_a_job_that_fails_mid_chain_names_its_log_and_its_dependents_are_cancell
 
 
 def test_submit_refuses_a_partition_that_does_not_exist_in_one_line_submitting_nothing(cluster, tmp_path):
-    eaglepipe = str(Path(sys.executable).parent / "eaglepipe")
     run_dir = tmp_path / "bad"
-    r = slurm_local.run([eaglepipe, "submit", *COMMON, *SUBMIT, "submit.partition=gpu", f"run_dir={run_dir}"])
+    r = slurm_local.run([EAGLEPIPE, "submit", *COMMON, *SUBMIT, "submit.partition=gpu", f"run_dir={run_dir}"])
     line = "partition gpu does not exist (sinfo lists: debug): set submit.partition"
     assert r.returncode == 2 and line in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
     assert not (run_dir / "cluster" / "jobs.json").exists()
