@@ -387,7 +387,8 @@ def leaves(node, prefix: str = ""):
 
 
 # Checks that import a library only their stage needs (speculators ~8 s, transformers ~1.5 s of a 2-core
-# start-up, paid by every SLURM job of a chain), run where that stage is among those run; everywhere when `stages` is not given
+# start-up, paid by every SLURM job of a chain), run where that stage is among those run; everywhere when
+# `stages` is not given
 ONLY_WITH_STAGE = {"train.loss": "train", "train.schedule": "train"}
 # ... and whose verdict depends only on that library's version: remembered in cache_dir (formats/check_memo),
 # so `eaglepipe submit` (whose chain trains) judges the same value again without the import

@@ -25,8 +25,16 @@ def env(**extra: str) -> dict:
     return {**os.environ, "SLURM_CONF": str(CONF), "OMP_NUM_THREADS": "1", **extra}
 
 
+# The node as the tests bring it up: 4 CPUs per core. Their jobs spend most of their time starting Python and
+# in SLURM's own delays; with the cores' count alone a sweep, an elastic run and the chain queue one behind
+# the other on 2 cores, half of them idle (measured: 35 % idle over the file's 313 s).
+CPUS = str(4 * (os.cpu_count() or 1))
+
+
 def _script(action: str) -> subprocess.CompletedProcess:
-    return subprocess.run([str(SCRIPT), action], capture_output=True, text=True, timeout=600, env=env())
+    return subprocess.run(
+        [str(SCRIPT), action], capture_output=True, text=True, timeout=600, env=env(EAGLEPIPE_SLURM_CPUS=CPUS)
+    )
 
 
 class Cluster:

@@ -11,7 +11,9 @@
 # the daemons' pid files and logs. Nothing in /etc is written: the clients find the cluster through SLURM_CONF.
 # Its own munged (own socket) runs beside any system munge. `up` is idempotent (a running cluster is kept) and
 # after a crash it stops what is left of its own daemons, by their pid files, and starts from clean state.
-# Ports: EAGLEPIPE_SLURM_PORT (slurmctld, default 6817) and the next one (slurmd).
+# Ports: EAGLEPIPE_SLURM_PORT (slurmctld, default 6817) and the next one (slurmd). EAGLEPIPE_SLURM_CPUS declares
+# the node with that many CPUs instead of its cores (the tests' jobs, mostly Python start-up and SLURM's own
+# delays, then overlap instead of queueing for 2 cores).
 set -euo pipefail
 
 DIR=${EAGLEPIPE_SLURM_DIR:-/tmp/eaglepipe-slurm}
@@ -73,6 +75,11 @@ write_conf() {
   fi
   mem=$(sed -n 's/.*RealMemory=\([0-9]*\).*/\1/p' <<<"$node")
   node=$(sed "s/RealMemory=[0-9]*/RealMemory=$((mem * 95 / 100))/" <<<"$node")  # headroom: never "Low RealMemory"
+  local overrides=""
+  if [[ -n ${EAGLEPIPE_SLURM_CPUS:-} ]]; then  # more CPUs than cores: jobs share them (config_overrides keeps
+    node="NodeName=$host CPUs=$EAGLEPIPE_SLURM_CPUS RealMemory=$((mem * 95 / 100))"  # slurmd from draining
+    overrides="SlurmdParameters=config_overrides"  # the node for having fewer than declared)
+  fi
   cat >"$CONF" <<EOF
 # written by tests/slurm_local.sh up: a one-node cluster on $host (state in $DIR)
 ClusterName=eaglepipe
@@ -106,6 +113,9 @@ JobAcctGatherType=jobacct_gather/none
 AccountingStorageType=accounting_storage/none
 JobCompType=jobcomp/none
 JobRequeue=1
+# a job's processes keep the nice value of the sbatch (and the srun) that started them: work submitted with
+# `nice` yields the cores to work submitted without (the tests run their side runs so, beside the chain)
+PropagatePrioProcess=1
 ReturnToService=2
 SlurmdTimeout=30
 SlurmctldTimeout=30
@@ -113,6 +123,7 @@ InactiveLimit=0
 KillWait=5
 MinJobAge=600
 MailProg=/bin/true
+$overrides
 $node State=UNKNOWN
 PartitionName=debug Nodes=$host Default=YES MaxTime=INFINITE State=UP
 EOF

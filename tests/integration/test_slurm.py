@@ -12,7 +12,9 @@ Each run trains 20 steps of 2 packs, checkpointing every 4, on the same inputs:
   E: C's inputs again, its train job held at a requeue, given one task instead of two, released
 C and both points of L end at the same weights (the interrupted run at the uninterrupted one's). The runs
 share their inputs because every SLURM job pays a process start (torch, Hydra, the pipeline) of seconds on
-this 2-core machine; the store is built once, by C's own jobs."""
+this 2-core machine; the store is built once, by C's own jobs. L and E start as soon as C's vocabulary is
+done and run beside C's train, export and evaluate jobs (the local node declares 4 CPUs per core:
+tests/slurm_local.py says why)"""
 
 import json
 import re
@@ -20,6 +22,7 @@ import shutil
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -69,6 +72,9 @@ SUBMIT = [  # the chain's jobs cut to the local node: 2 ranks for extract and tr
     "extract.device=cpu",
     "export.engines=[sglang]",  # one engine's check: the export stage is the chain's longest job here
 ]
+# The side runs (L, E and F, a chain that fails) yield the cores to C, whose jobs are the critical path:
+# the local cluster propagates a job's nice value to its tasks (PropagatePrioProcess=1)
+NICE = ["nice", "-n", "10"]
 INPUTS = ("prepare", "extract", "vocab")  # the stages whose outputs the sweep and the elastic run reuse
 
 
@@ -95,12 +101,12 @@ def _summary(run_dir: Path) -> dict:
 
 
 def _wait(what: str, until, timeout: float = 240):
-    """Poll until `until()` gives a truthy value (0.1 s apart); the value."""
+    """Poll until `until()` gives a truthy value (0.2 s apart); the value."""
     deadline = time.time() + timeout
     while time.time() < deadline:
         if value := until():
             return value
-        time.sleep(0.1)
+        time.sleep(0.2)  # a `scontrol show job` costs ~6 ms of CPU: the waits cost the jobs a few %
     raise AssertionError(f"waited {timeout} s for {what}")
 
 
@@ -119,51 +125,119 @@ def _checkpoints(run_dir: Path) -> list[int]:
     return sorted(int(p.name[5:]) for p in (run_dir / "train").glob("step_[0-9]*") if p.name[5:].isdigit())
 
 
+def _inputs_ready(run_dir: Path) -> bool:
+    try:
+        records = json.loads((run_dir / "stages.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return all(s in records for s in INPUTS)
+
+
+def _start_sweep(src: Path, base: Path, cache_dir: str) -> subprocess.Popen:
+    """L, in the background: two sweep points on the slurm launcher, 2 tasks each, on copies of C's inputs."""
+    for n in ("0", "1"):  # the multirun's job N works in ${run_dir}/N
+        _copy_inputs(src, base / n)
+    cmd = [*NICE, EAGLEPIPE, "-m", *LAUNCHER, "stage=train", *COMMON, "train.log_every_steps=5,10"]
+    cmd += [f"run_dir={base}", f"cache_dir={cache_dir}"]
+    out = (base / "sweep.out").open("w")
+    env = slurm_local.env()
+    return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT, text=True)
+
+
+def _failing(base: Path, cache_dir: str) -> dict:
+    """F: a chain whose prepare job fails (its data passes the checks, the file exists, but holds nothing)."""
+    data = base / "empty.jsonl"
+    data.write_text('{"messages": []}\n')
+    run_dir = base / "F"
+    r = slurm_local.run(
+        [
+            *NICE,
+            EAGLEPIPE,
+            "submit",
+            *COMMON,
+            *SUBMIT,
+            "data=messages",
+            f"data.path={data}",
+            "submit.wait=true",
+        ]
+        + [f"run_dir={run_dir}", f"cache_dir={cache_dir}"]
+    )
+    return {"submit": r, "jobs": json.loads((run_dir / "cluster" / "jobs.json").read_text())["stages"]}
+
+
+def _elastic(src: Path, run_dir: Path, cache_dir: str) -> dict:
+    """E: C's inputs again, its train job held at a requeue, given one task instead of two, and released."""
+    _copy_inputs(src, run_dir)
+    r = slurm_local.run(
+        [*NICE, EAGLEPIPE, "submit", *COMMON, *SUBMIT, f"run_dir={run_dir}", f"cache_dir={cache_dir}"]
+    )
+    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+    jobs = json.loads((run_dir / "cluster" / "jobs.json").read_text())["stages"]
+    train = jobs["train"]["job_id"]
+    _wait("the elastic run's first checkpoint", lambda: _checkpoints(run_dir), 600)
+    slurm_local.run(["scontrol", "requeuehold", train])
+    _wait("the job held", lambda: slurm_local.job_fields(train)["JobState"] == "PENDING")
+    update = slurm_local.run(["scontrol", "update", f"JobId={train}", "NumTasks=1", "NumCPUs=1"])
+    assert update.returncode == 0, update.stderr
+    slurm_local.run(["scontrol", "release", train])
+    _wait("the job to run again with one task", lambda: _running_again(train, "1"))
+    _wait("train COMPLETED", lambda: slurm_local.job_fields(train)["JobState"] == "COMPLETED", 600)
+    slurm_local.run(["scancel", jobs["export"]["job_id"], jobs["evaluate"]["job_id"]])
+    return {"run_dir": run_dir, "jobs": jobs}
+
+
 @pytest.fixture(scope="module")
-def submitted(cluster, tmp_path_factory, cache_dir) -> dict:
-    """C: the chain submitted; its train job signalled, then hard-requeued; followed; submitted again."""
-    run_dir = tmp_path_factory.mktemp("slurm") / "C"
+def submitted(cluster, tmp_path_factory, cache_dir):
+    """C: the chain submitted; its train job signalled, then hard-requeued; followed; submitted again. F
+    starts with it; L and E once C's vocabulary is done, beside C's train job (E, F driven from threads)."""
+    base = tmp_path_factory.mktemp("slurm")
+    run_dir = base / "C"
     cmd = [EAGLEPIPE, "submit", *COMMON, *SUBMIT, f"run_dir={run_dir}", f"cache_dir={cache_dir}"]
     r = slurm_local.run(cmd)
     first = r.stdout + r.stderr  # a tool's log goes to stdout
     assert r.returncode == 0, first[-3000:]
     jobs = json.loads((run_dir / "cluster" / "jobs.json").read_text())["stages"]
+    pool = ThreadPoolExecutor(2)
+    failing = pool.submit(_failing, base, cache_dir)
+    _wait("the chain's prepare, extract and vocab", lambda: _inputs_ready(run_dir))
+    sweep = _start_sweep(run_dir, base / "L", cache_dir)
+    elastic = pool.submit(_elastic, run_dir, base / "E", cache_dir)
+    try:
+        train = jobs["train"]["job_id"]  # SLURM's warning signal mid-run, as --signal=B:USR2@N sends it
+        _wait("train's first checkpoint", lambda: _checkpoints(run_dir))
+        slurm_local.run(["scancel", "--batch", "--signal=USR2", train])
+        _wait("the signalled job to be requeued and run again", lambda: _running_again(train, "1"))
+        signalled = _checkpoints(run_dir)[-1]  # written on the signal; the requeued job resumes from it
+        _wait("a newer checkpoint", lambda: _checkpoints(run_dir)[-1] > signalled)
+        slurm_local.run(["scontrol", "requeue", train])  # a hard requeue, no warning
+        _wait("the hard-requeued job to run again", lambda: _running_again(train, "2"))
 
-    train = jobs["train"]["job_id"]  # SLURM's warning signal mid-run, as --signal=B:USR2@N sends it
-    _wait("train's first checkpoint", lambda: _checkpoints(run_dir))
-    slurm_local.run(["scancel", "--batch", "--signal=USR2", train])
-    _wait("the signalled job to be requeued and run again", lambda: _running_again(train, "1"))
-    signalled = _checkpoints(run_dir)[-1]  # written on the signal; the requeued job resumes from it
-    _wait("a newer checkpoint", lambda: _checkpoints(run_dir)[-1] > signalled)
-    slurm_local.run(["scontrol", "requeue", train])  # a hard requeue, no warning
-    _wait("the hard-requeued job to run again", lambda: _running_again(train, "2"))
-
-    follow = slurm_local.run([*cmd, "submit.wait=true"], timeout=600)  # keeps the jobs, follows them
-    assert follow.returncode == 0, (follow.stdout + follow.stderr)[-3000:]
-    again = slurm_local.run(cmd)
-    return {
-        "run_dir": run_dir,
-        "jobs": jobs,
-        "first": first,
-        "signalled": signalled,
-        "follow": follow.stdout + follow.stderr,
-        "again": again,
-    }
+        follow = slurm_local.run([*cmd, "submit.wait=true"], timeout=600)  # keeps the jobs, follows them
+        assert follow.returncode == 0, (follow.stdout + follow.stderr)[-3000:]
+        again = slurm_local.run(cmd)
+        yield {
+            "run_dir": run_dir,
+            "jobs": jobs,
+            "first": first,
+            "signalled": signalled,
+            "follow": follow.stdout + follow.stderr,
+            "again": again,
+            "sweep": sweep,
+            "elastic": elastic,
+            "failing": failing,
+        }
+    finally:
+        if sweep.poll() is None:  # a failure above: nothing of this module keeps running
+            sweep.kill()
+        pool.shutdown(wait=True)
 
 
 @pytest.fixture(scope="module")
-def sweep(submitted, cache_dir) -> dict:
-    """L: two sweep points on the slurm launcher, 2 tasks each, on copies of the chain's inputs."""
+def sweep(submitted) -> dict:
     base = submitted["run_dir"].parent / "L"
-    for n in ("0", "1"):  # the multirun's job N works in ${run_dir}/N
-        _copy_inputs(submitted["run_dir"], base / n)
-    r = slurm_local.run(
-        [EAGLEPIPE, "-m", *LAUNCHER, "stage=train", *COMMON, "train.log_every_steps=5,10"]
-        + [f"run_dir={base}", f"cache_dir={cache_dir}"],
-        timeout=600,
-    )
+    rc = submitted["sweep"].wait(timeout=600)
     logs = "".join(p.read_text() for p in sorted((base / ".submitit").rglob("*_log.*")))
-    assert r.returncode == 0, r.stderr[-3000:] + logs[-3000:]
+    assert rc == 0, (base / "sweep.out").read_text()[-3000:] + logs[-3000:]
     return {"base": base, "logs": logs}
 
 
@@ -240,25 +314,12 @@ def test_submit_runs_the_chain_as_jobs_preempted_and_requeued_and_a_second_submi
     assert "submitted" not in out.replace("nothing submitted", "")
 
 
-def test_a_requeued_train_job_that_lands_with_one_task_resumes_on_one_rank(submitted, sweep, cache_dir):
+def test_a_requeued_train_job_that_lands_with_one_task_resumes_on_one_rank(submitted, sweep):
     """Elastic resume: the job is held at its requeue, given one task instead of two, and released."""
-    run_dir = _copy_inputs(submitted["run_dir"], submitted["run_dir"].parent / "E")
-    r = slurm_local.run(
-        [EAGLEPIPE, "submit", *COMMON, *SUBMIT, f"run_dir={run_dir}", f"cache_dir={cache_dir}"]
-    )
-    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
-    jobs = json.loads((run_dir / "cluster" / "jobs.json").read_text())["stages"]
+    elastic = submitted["elastic"].result(timeout=600)
+    run_dir, jobs = elastic["run_dir"], elastic["jobs"]
     assert sorted(jobs) == ["evaluate", "export", "train"]  # the copied stages are up to date
     train = jobs["train"]["job_id"]
-    _wait("train's first checkpoint", lambda: _checkpoints(run_dir))
-    slurm_local.run(["scontrol", "requeuehold", train])
-    _wait("the job held", lambda: slurm_local.job_fields(train)["JobState"] == "PENDING")
-    update = slurm_local.run(["scontrol", "update", f"JobId={train}", "NumTasks=1", "NumCPUs=1"])
-    assert update.returncode == 0, update.stderr
-    slurm_local.run(["scontrol", "release", train])
-    _wait("the job to run again with one task", lambda: _running_again(train, "1"))
-    _wait("train COMPLETED", lambda: slurm_local.job_fields(train)["JobState"] == "COMPLETED", 120)
-    slurm_local.run(["scancel", jobs["export"]["job_id"], jobs["evaluate"]["job_id"]])
     summary, reference = _summary(run_dir), _summary(sweep["base"] / "0")
     assert summary["world_size"] == 1, summary  # the packs left, on one rank: every one trained once
     assert summary["optimizer_steps"] > reference["optimizer_steps"], summary
@@ -268,15 +329,9 @@ def test_a_requeued_train_job_that_lands_with_one_task_resumes_on_one_rank(submi
     assert re.search(resumed, log), log[-3000:]
 
 
-def test_a_job_that_fails_mid_chain_names_its_log_and_its_dependents_are_cancelled(cluster, tmp_path):
-    data = tmp_path / "empty.jsonl"
-    data.write_text('{"messages": []}\n')  # passes the checks (the file exists); prepare finds nothing in it
-    run_dir = tmp_path / "failing"
-    r = slurm_local.run(
-        [EAGLEPIPE, "submit", *COMMON, *SUBMIT, "data=messages", f"data.path={data}", "submit.wait=true"]
-        + [f"run_dir={run_dir}"]
-    )
-    jobs = json.loads((run_dir / "cluster" / "jobs.json").read_text())["stages"]
+def test_a_job_that_fails_mid_chain_names_its_log_and_its_dependents_are_cancelled(submitted):
+    failing = submitted["failing"].result(timeout=600)
+    r, jobs = failing["submit"], failing["jobs"]
     prepare = jobs["prepare"]["job_id"]
     rest = [jobs[s]["job_id"] for s in ("extract", "vocab", "train", "export", "evaluate")]
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-3000:]
