@@ -386,48 +386,14 @@ def leaves(node, prefix: str = ""):
         yield prefix.rstrip("."), node
 
 
-# Checks that import a library only their stage needs (speculators ~8 s, transformers ~1.5 s of a 2-core
-# start-up, paid by every SLURM job of a chain), run where that stage is among those run; everywhere when
-# `stages` is not given
-ONLY_WITH_STAGE = {"train.loss": "train", "train.schedule": "train"}
-# ... and whose verdict depends only on that library's version: remembered in cache_dir (formats/check_memo),
-# so `eaglepipe submit` (whose chain trains) judges the same value again without the import
-REMEMBERED = {"train.loss": "speculators", "train.schedule": "transformers"}
-
-
-def _applies(key: str, stages: list[str] | None) -> bool:
-    return stages is None or ONLY_WITH_STAGE.get(key) in (None, *stages)
-
-
-def _choice_problem(cfg, key: str, v: str) -> str | None:
-    if key not in REMEMBERED or not isinstance(cfg.get("cache_dir"), str) or not cfg.cache_dir.strip():
-        return CHOICES[key](key, v)
-    from importlib.metadata import version
-
-    from pipeline.formats import check_memo
-
-    slot, entry = f"{REMEMBERED[key]}=={version(REMEMBERED[key])}", f"{key}={v}"
-    memo = check_memo.read(cfg.cache_dir).get(slot, {})
-    if entry in memo:
-        return memo[entry]
-    verdict = CHOICES[key](key, v)
-    check_memo.remember(cfg.cache_dir, slot, entry, verdict)
-    return verdict
-
-
-def problems(cfg, stages: list[str] | None = None) -> list[str]:
-    """Every knob outside its range or set, one problem each (for the given stages' run, when given)."""
+def problems(cfg) -> list[str]:
+    """Every knob outside its range or set, one problem each."""
     found = []
     for key, v in leaves(cfg):
         if v is None or isinstance(v, bool):
             continue
         if key in LIMITS and isinstance(v, (int, float)) and not LIMITS[key].holds(v):
             found.append(f"{key}={v} must be {LIMITS[key].rule()}")
-        elif (
-            key in CHOICES
-            and isinstance(v, str)
-            and _applies(key, stages)
-            and (problem := _choice_problem(cfg, key, v))
-        ):
+        elif key in CHOICES and isinstance(v, str) and (problem := CHOICES[key](key, v)):
             found.append(problem)
     return found

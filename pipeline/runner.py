@@ -112,7 +112,7 @@ def preflight(cfg, names: list[str]) -> None:
     export setting stops in a second, not after hours of extract and train; every problem in one line.
     Before them: keys the schema lacks, every knob's range or set (config_limits), and the checks across
     stages (aux ids the export's engines cannot serve)."""
-    problems = config_limits.unknown_keys(cfg) + config_limits.problems(cfg, names)
+    problems = config_limits.unknown_keys(cfg) + config_limits.problems(cfg)
     problems += _resume_conflicts(cfg, names) + _unservable_aux_ids(cfg, names)
     mix_heldout = _mix_holds_out(cfg)  # data=mix: train validates on the sources' held-out sets instead
     if {"train", "evaluate"} <= set(names) and cfg.train.val_fraction == 0 and not mix_heldout:
