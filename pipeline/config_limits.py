@@ -386,14 +386,15 @@ def leaves(node, prefix: str = ""):
         yield prefix.rstrip("."), node
 
 
-def problems(cfg) -> list[str]:
-    """Every knob outside its range or set, one problem each."""
-    found = []
+def problems(cfg, judge=None) -> list[str]:
+    """Every knob outside its range or set, one problem each; `judge(key, v)` may stand for CHOICES' checks
+    (the runner's: a library's check only where its stage runs, remembered per version)."""
+    found, judge = [], judge or (lambda key, v: CHOICES[key](key, v))
     for key, v in leaves(cfg):
         if v is None or isinstance(v, bool):
             continue
         if key in LIMITS and isinstance(v, (int, float)) and not LIMITS[key].holds(v):
             found.append(f"{key}={v} must be {LIMITS[key].rule()}")
-        elif key in CHOICES and isinstance(v, str) and (problem := CHOICES[key](key, v)):
+        elif key in CHOICES and isinstance(v, str) and (problem := judge(key, v)):
             found.append(problem)
     return found

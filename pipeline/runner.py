@@ -20,7 +20,7 @@ from pathlib import Path
 from pipeline import config_limits, ranks
 from pipeline.capture import aux_layers, features
 from pipeline.errors import UserError
-from pipeline.formats import checkpoint, faults, run_lock
+from pipeline.formats import check_memo, checkpoint, faults, run_lock
 from pipeline.formats import export_layouts as lay
 from pipeline.formats import feature_store as fs
 from pipeline.formats.run_dir import RunDir
@@ -107,12 +107,36 @@ def selected(stage: str) -> list[str]:
     return ORDER if stage == "all" else [stage]
 
 
+# Set checks that import a library only one stage uses (speculators ~8 s, transformers ~1.5 s of a 2-core
+# start, paid by `eaglepipe submit` and by every SLURM job of a chain): judged only where that stage runs, and
+# remembered per library version in cache_dir (formats/check_memo), so a submit judges a value again at once
+HEAVY_CHECKS = {"train.loss": ("train", "speculators"), "train.schedule": ("train", "transformers")}
+
+
+def check_judge(cfg, names: list[str] | None):
+    """config_limits.problems' judge for a run of `names` (None: every stage's checks)."""
+
+    def judge(key: str, v: str) -> str | None:
+        check = config_limits.CHOICES[key]
+        if key not in HEAVY_CHECKS:
+            return check(key, v)
+        stage, lib = HEAVY_CHECKS[key]
+        if names is not None and stage not in names:
+            return None
+        from importlib.metadata import version
+
+        slot = f"{lib}=={version(lib)}"
+        return check_memo.judged(cfg.get("cache_dir"), slot, f"{key}={v}", lambda: check(key, v))
+
+    return judge
+
+
 def preflight(cfg, names: list[str]) -> None:
     """Every selected stage's check(cfg), all before the first stage starts: `stage=all` with a bad eval or
     export setting stops in a second, not after hours of extract and train; every problem in one line.
     Before them: keys the schema lacks, every knob's range or set (config_limits), and the checks across
     stages (aux ids the export's engines cannot serve)."""
-    problems = config_limits.unknown_keys(cfg) + config_limits.problems(cfg)
+    problems = config_limits.unknown_keys(cfg) + config_limits.problems(cfg, check_judge(cfg, names))
     problems += _resume_conflicts(cfg, names) + _unservable_aux_ids(cfg, names)
     mix_heldout = _mix_holds_out(cfg)  # data=mix: train validates on the sources' held-out sets instead
     if {"train", "evaluate"} <= set(names) and cfg.train.val_fraction == 0 and not mix_heldout:

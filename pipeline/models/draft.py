@@ -19,7 +19,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from transformers import LlamaConfig
 
 from pipeline.errors import UserError
 from pipeline.formats import export_layouts as lay
@@ -59,6 +58,8 @@ def layer_config(target_hf, attn: str, overrides: dict | None = None, arch: str 
         or {"rope_type": "default", "rope_theta": 10000.0},
     )
     shape.update(overrides or {})
+    from transformers import LlamaConfig  # here: train's check reads ATTENTION in `eaglepipe submit` (~3 s)
+
     cfg = LlamaConfig(num_hidden_layers=1, **shape)
     cfg._attn_implementation = attn
     return cfg

@@ -183,3 +183,39 @@ def test_refuse_before_working_unknown_keys_and_an_empty_run_dir(tmp_path, overr
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"eaglepipe: error: {message}"), r.stderr[-2000:]
     assert sorted(p.name for p in tmp_path.iterdir()) == []  # nothing written, neither run dir nor cwd
+
+
+def test_refuse_before_working_a_check_that_only_its_stage_needs_runs_where_that_stage_runs(make_cfg):
+    """train.loss's check imports speculators (seconds of every SLURM job's start): a vocab job skips it, a
+    chain that trains still refuses the typo, and so does a run that names no stages."""
+    from pipeline.runner import check_judge
+
+    cfg = make_cfg("+experiment=tiny", "train.loss=kl_divv")
+    assert cl.problems(cfg, check_judge(cfg, ["vocab"])) == []
+    assert any("train.loss" in p for p in cl.problems(cfg, check_judge(cfg, ["vocab", "train"])))
+    assert any("train.loss" in p for p in cl.problems(cfg, check_judge(cfg, None)))
+    assert any("train.loss" in p for p in cl.problems(cfg))
+
+
+def test_refuse_before_working_the_loss_check_is_remembered_per_speculators_version(make_cfg, tmp_path):
+    """`eaglepipe submit` judges train.loss again from cache_dir's memo, not from an 8 s import; the memo is a
+    cache: damaged, it is only rebuilt."""
+    from importlib.metadata import version
+
+    from pipeline.formats import check_memo
+    from pipeline.runner import check_judge
+
+    def found(cfg):
+        return cl.problems(cfg, check_judge(cfg, ["train"]))
+
+    cfg = make_cfg("+experiment=tiny", "train.loss=kl_divv", f"cache_dir={tmp_path}")
+    [problem] = [p for p in found(cfg) if "train.loss" in p]
+    slot = f"speculators=={version('speculators')}"
+    assert check_memo.read(tmp_path)[slot] == {"train.loss=kl_divv": problem}
+    check_memo.remember(tmp_path, slot, "train.loss=kl_divv", "remembered")  # the memo is what answers
+    assert "remembered" in found(cfg)
+    check_memo.path(tmp_path).write_text("{not json")
+    assert problem in found(cfg) and check_memo.read(tmp_path)[slot]["train.loss=kl_divv"] == problem
+    ok = make_cfg("+experiment=tiny", f"cache_dir={tmp_path}")
+    assert not [p for p in found(ok) if "train.loss" in p]
+    assert check_memo.read(tmp_path)[slot][f"train.loss={ok.train.loss}"] is None
