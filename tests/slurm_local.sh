@@ -142,21 +142,30 @@ start_munge() {
 }
 
 # Stop one of our daemons by its pid file: TERM, then KILL after 10 s. A pid that is not that daemon is left alone.
-stop() {
-  local pid
-  if pid=$(ours "$1"); then
-    kill -TERM "$pid" 2>/dev/null || true
-    for _ in $(seq 100); do
-      [[ -d /proc/$pid ]] || break
-      sleep 0.1
-    done
-    if [[ -d /proc/$pid ]]; then
-      say "$1 (pid $pid) did not stop on SIGTERM: SIGKILL"
-      kill -KILL "$pid" 2>/dev/null || true
+stop() {  # the daemons named, SIGTERM to all at once (each takes ~2 s to exit), SIGKILL to any left after 10 s
+  local d pid
+  local -A pids=()
+  for d in "$@"; do
+    if pid=$(ours "$d"); then
+      kill -TERM "$pid" 2>/dev/null || true
+      pids[$d]=$pid
     fi
-    say "stopped $1 (pid $pid)"
-  fi
-  rm -f "$(pidfile "$1")"
+  done
+  for d in "$@"; do
+    if [[ -n ${pids[$d]:-} ]]; then
+      pid=${pids[$d]}
+      for _ in $(seq 100); do
+        [[ -d /proc/$pid ]] || break
+        sleep 0.1
+      done
+      if [[ -d /proc/$pid ]]; then
+        say "$d (pid $pid) did not stop on SIGTERM: SIGKILL"
+        kill -KILL "$pid" 2>/dev/null || true
+      fi
+      say "stopped $d (pid $pid)"
+    fi
+    rm -f "$(pidfile "$d")"
+  done
 }
 
 node_state() { sinfo -h -N -o '%T' 2>/dev/null | head -1; }
@@ -187,7 +196,7 @@ up() {
     return 0
   fi
   local d
-  for d in "${DAEMONS[@]}"; do stop "$d"; done  # what a crash left of ours
+  stop "${DAEMONS[@]}"  # what a crash left of ours
   rm -rf "$DIR/ctld" "$DIR/spool"  # stale controller state: jobs of a cluster that is gone
   mkdir -p "$DIR/munge" "$DIR/ctld" "$DIR/spool"
   chmod 0700 "$DIR/munge"
@@ -215,8 +224,7 @@ down() {
       done
     fi
   fi
-  local d
-  for d in "${DAEMONS[@]}"; do stop "$d"; done
+  stop "${DAEMONS[@]}"
 }
 
 status() {

@@ -22,6 +22,7 @@ import torch
 from safetensors.torch import save_file
 
 from pipeline.formats import faults
+from pipeline.lazy_compile import compile_deferred
 
 SCHEMA_VERSION = 1
 FORMAT = "eaglepipe-vocab"
@@ -57,7 +58,8 @@ def matches(weights: dict, d2t: torch.Tensor, t2d: torch.Tensor) -> bool:
 def build(freq: np.ndarray, draft_vocab_size: int) -> tuple[torch.Tensor, torch.Tensor, int]:
     """Top-`draft_vocab_size` ids by count (ties: lower id first), padded with the lowest unused ids when
     fewer were seen (speculators' rule). Returns (d2t, t2d, number of padded ids)."""
-    from speculators.train.vocab_mapping import build_vocab_mappings_from_distribution
+    with compile_deferred():
+        from speculators.train.vocab_mapping import build_vocab_mappings_from_distribution
 
     seen = {int(i): int(freq[i]) for i in np.flatnonzero(freq)}
     d2t, t2d = build_vocab_mappings_from_distribution(seen, draft_vocab_size, len(freq))

@@ -22,6 +22,7 @@ import torch
 
 from pipeline.errors import UserError
 from pipeline.formats import export_layouts as lay
+from pipeline.lazy_compile import compile_deferred
 
 # train.attn_implementation: the draft layer's attention as speculators runs it. sdpa and eager take dense TTT
 # masks; simple_flex_attention (speculators' own default) takes block masks and skips the masked blocks:
@@ -109,8 +110,9 @@ def mla_layer_config(target_hf, attn: str, overrides: dict | None = None):
 def _mla_components() -> None:
     """Register the MLA first layer under model_type deepseek_v3 in speculators' layer registry
     (idempotent)."""
-    from speculators.models.base_components import ModelComponents
-    from speculators.models.eagle3 import model_definitions as md
+    with compile_deferred():
+        from speculators.models.base_components import ModelComponents
+        from speculators.models.eagle3 import model_definitions as md
     from transformers.models.deepseek_v3 import modeling_deepseek_v3 as ds
 
     if "deepseek_v3" in md.model_classes:
@@ -153,9 +155,10 @@ def build(
     draft_vocab_size: int | None = None,
     arch: str = "llama",
 ):
-    from speculators.config import SpeculatorsConfig, VerifierConfig
-    from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
-    from speculators.proposals.greedy import GreedyTokenProposalConfig
+    with compile_deferred():
+        from speculators.config import SpeculatorsConfig, VerifierConfig
+        from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
+        from speculators.proposals.greedy import GreedyTokenProposalConfig
 
     _mla_components()  # speculators resolves the layer class from the config's model_type at construction
     verifier = (

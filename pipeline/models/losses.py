@@ -17,6 +17,8 @@ from functools import partial
 
 import torch
 
+from pipeline.lazy_compile import compile_deferred
+
 
 class _ChunkedKL(torch.autograd.Function):
     @staticmethod
@@ -54,7 +56,8 @@ def chunked_kl_div_loss(logits: torch.Tensor, targets: torch.Tensor, chunk: int 
 
 def loss_config(spec: str, chunk_tokens: int | None):
     """speculators' loss config for `train.loss`; with chunk_tokens, its `kl_div` term computed in chunks."""
-    from speculators.losses.utils import resolve_loss_config
+    with compile_deferred():
+        from speculators.losses.utils import resolve_loss_config
 
     config = resolve_loss_config(spec, "eager")
     if chunk_tokens and "kl_div" in config:
