@@ -74,10 +74,11 @@ write_conf() {
     node="NodeName=$host CPUs=$(nproc) RealMemory=$mem"
   fi
   mem=$(sed -n 's/.*RealMemory=\([0-9]*\).*/\1/p' <<<"$node")
-  node=$(sed "s/RealMemory=[0-9]*/RealMemory=$((mem * 95 / 100))/" <<<"$node")  # headroom: never "Low RealMemory"
+  mem=$((mem * 95 / 100))  # headroom: never "Low RealMemory"
+  node=$(sed "s/RealMemory=[0-9]*/RealMemory=$mem/" <<<"$node")
   local overrides=""
   if [[ -n ${EAGLEPIPE_SLURM_CPUS:-} ]]; then  # more CPUs than cores: jobs share them (config_overrides keeps
-    node="NodeName=$host CPUs=$EAGLEPIPE_SLURM_CPUS RealMemory=$((mem * 95 / 100))"  # slurmd from draining
+    node="NodeName=$host CPUs=$EAGLEPIPE_SLURM_CPUS RealMemory=$mem"  # slurmd from draining
     overrides="SlurmdParameters=config_overrides"  # the node for having fewer than declared)
   fi
   cat >"$CONF" <<EOF

@@ -12,11 +12,11 @@ Each run trains 20 steps of 2 packs, checkpointing every 4, on the same inputs:
   E: C's inputs again, its train job held at a requeue, given one task instead of two, released
 C and both points of L end at the same weights (the interrupted run at the uninterrupted one's). The runs
 share their inputs because every SLURM job pays a process start (torch, Hydra, the pipeline) of seconds on
-this 2-core machine; the store is built once, by C's own jobs. L and E start as soon as C's vocabulary is
-done and run beside C's train, export and evaluate jobs (the local node declares 4 CPUs per core:
-tests/slurm_local.py says why)"""
+this 2-core machine; the store is built once, by C's own jobs. L starts as soon as C's vocabulary is done,
+beside C's train job; E once C's train job is hard-requeued, beside its last run and C's export and evaluate
+jobs (one core each); F and a submit to a partition that does not exist start with C (the local node declares
+4 CPUs per core: tests/slurm_local.py says why)"""
 
-import json
 import re
 import shutil
 import subprocess
@@ -32,6 +32,8 @@ from safetensors.torch import load_file
 
 from pipeline.cluster import chain, slurm
 from pipeline.errors import UserError
+from pipeline.formats import cluster_jobs, train_summary
+from pipeline.runner import read_records, write_record
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 ROOT = Path(__file__).resolve().parents[2]
@@ -83,8 +85,9 @@ def _copy_inputs(src: Path, dst: Path) -> Path:
     dst.mkdir(parents=True)
     for name in ("prepared", "features", "vocab"):
         shutil.copytree(src / name, dst / name)
-    records = json.loads((src / "stages.json").read_text())
-    (dst / "stages.json").write_text(json.dumps({s: records[s] for s in INPUTS}, indent=1))
+    records = read_records(src)
+    for stage in INPUTS:
+        write_record(dst, stage, records[stage])
     return dst
 
 
@@ -97,7 +100,7 @@ def _same(a: dict, b: dict) -> bool:
 
 
 def _summary(run_dir: Path) -> dict:
-    return json.loads((run_dir / "train" / "final" / "train_summary.json").read_text())
+    return train_summary.read(run_dir / "train" / "final")
 
 
 def _wait(what: str, until, timeout: float = 240):
@@ -126,11 +129,7 @@ def _checkpoints(run_dir: Path) -> list[int]:
 
 
 def _inputs_ready(run_dir: Path) -> bool:
-    try:
-        records = json.loads((run_dir / "stages.json").read_text())
-    except (OSError, ValueError):
-        return False
-    return all(s in records for s in INPUTS)
+    return all(s in read_records(run_dir) for s in INPUTS)  # stages.json is replaced whole (tmp + rename)
 
 
 def _start_sweep(src: Path, base: Path, cache_dir: str) -> subprocess.Popen:
@@ -139,9 +138,9 @@ def _start_sweep(src: Path, base: Path, cache_dir: str) -> subprocess.Popen:
         _copy_inputs(src, base / n)
     cmd = [*NICE, EAGLEPIPE, "-m", *LAUNCHER, "stage=train", *COMMON, "train.log_every_steps=5,10"]
     cmd += [f"run_dir={base}", f"cache_dir={cache_dir}"]
-    out = (base / "sweep.out").open("w")
-    env = slurm_local.env()
-    return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT, text=True)
+    with (base / "sweep.out").open("w") as out:  # the child keeps its own copy of the descriptor
+        env = slurm_local.env()
+        return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT, text=True)
 
 
 def _failing(base: Path, cache_dir: str) -> dict:
@@ -162,7 +161,13 @@ def _failing(base: Path, cache_dir: str) -> dict:
         ]
         + [f"run_dir={run_dir}", f"cache_dir={cache_dir}"]
     )
-    return {"submit": r, "jobs": json.loads((run_dir / "cluster" / "jobs.json").read_text())["stages"]}
+    return {"submit": r, "jobs": cluster_jobs.read(run_dir)}
+
+
+def _refused(run_dir: Path, cache_dir: str) -> tuple[subprocess.CompletedProcess, Path]:
+    """A submit to a partition the cluster does not have (run beside C: a process start of seconds)."""
+    cmd = [*NICE, EAGLEPIPE, "submit", *COMMON, *SUBMIT, "submit.partition=gpu", f"run_dir={run_dir}"]
+    return slurm_local.run([*cmd, f"cache_dir={cache_dir}"]), run_dir
 
 
 def _elastic(src: Path, run_dir: Path, cache_dir: str) -> dict:
@@ -172,7 +177,7 @@ def _elastic(src: Path, run_dir: Path, cache_dir: str) -> dict:
         [*NICE, EAGLEPIPE, "submit", *COMMON, *SUBMIT, f"run_dir={run_dir}", f"cache_dir={cache_dir}"]
     )
     assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
-    jobs = json.loads((run_dir / "cluster" / "jobs.json").read_text())["stages"]
+    jobs = cluster_jobs.read(run_dir)
     train = jobs["train"]["job_id"]
     _wait("the elastic run's first checkpoint", lambda: _checkpoints(run_dir), 600)
     slurm_local.run(["scontrol", "requeuehold", train])
@@ -188,20 +193,21 @@ def _elastic(src: Path, run_dir: Path, cache_dir: str) -> dict:
 
 @pytest.fixture(scope="module")
 def submitted(cluster, tmp_path_factory, cache_dir):
-    """C: the chain submitted; its train job signalled, then hard-requeued; followed; submitted again. F
-    starts with it; L and E once C's vocabulary is done, beside C's train job (E, F driven from threads)."""
+    """C: the chain submitted; its train job signalled, then hard-requeued; followed; submitted again. F and
+    the refused submit start with it, L once C's vocabulary is done, E at the hard requeue (E, F and the
+    refused submit driven from threads)."""
     base = tmp_path_factory.mktemp("slurm")
     run_dir = base / "C"
     cmd = [EAGLEPIPE, "submit", *COMMON, *SUBMIT, f"run_dir={run_dir}", f"cache_dir={cache_dir}"]
     r = slurm_local.run(cmd)
     first = r.stdout + r.stderr  # a tool's log goes to stdout
     assert r.returncode == 0, first[-3000:]
-    jobs = json.loads((run_dir / "cluster" / "jobs.json").read_text())["stages"]
-    pool = ThreadPoolExecutor(2)
+    jobs = cluster_jobs.read(run_dir)
+    pool = ThreadPoolExecutor(3)
     failing = pool.submit(_failing, base, cache_dir)
+    refused = pool.submit(_refused, base / "bad", cache_dir)
     _wait("the chain's prepare, extract and vocab", lambda: _inputs_ready(run_dir))
     sweep = _start_sweep(run_dir, base / "L", cache_dir)
-    elastic = pool.submit(_elastic, run_dir, base / "E", cache_dir)
     try:
         train = jobs["train"]["job_id"]  # SLURM's warning signal mid-run, as --signal=B:USR2@N sends it
         _wait("train's first checkpoint", lambda: _checkpoints(run_dir))
@@ -211,6 +217,8 @@ def submitted(cluster, tmp_path_factory, cache_dir):
         _wait("a newer checkpoint", lambda: _checkpoints(run_dir)[-1] > signalled)
         slurm_local.run(["scontrol", "requeue", train])  # a hard requeue, no warning
         _wait("the hard-requeued job to run again", lambda: _running_again(train, "2"))
+        # E from here on: beside C's last train run, then its export and evaluate jobs (one core each)
+        elastic = pool.submit(_elastic, run_dir, base / "E", cache_dir)
 
         follow = slurm_local.run([*cmd, "submit.wait=true"], timeout=600)  # keeps the jobs, follows them
         assert follow.returncode == 0, (follow.stdout + follow.stderr)[-3000:]
@@ -225,6 +233,7 @@ def submitted(cluster, tmp_path_factory, cache_dir):
             "sweep": sweep,
             "elastic": elastic,
             "failing": failing,
+            "refused": refused,
         }
     finally:
         if sweep.poll() is None:  # a failure above: nothing of this module keeps running
@@ -343,12 +352,11 @@ def test_a_job_that_fails_mid_chain_names_its_log_and_its_dependents_are_cancell
     assert {slurm_local.job_fields(j)["JobState"] for j in rest} == {"CANCELLED"}
 
 
-def test_submit_refuses_a_partition_that_does_not_exist_in_one_line_submitting_nothing(cluster, tmp_path):
-    run_dir = tmp_path / "bad"
-    r = slurm_local.run([EAGLEPIPE, "submit", *COMMON, *SUBMIT, "submit.partition=gpu", f"run_dir={run_dir}"])
+def test_submit_refuses_a_partition_that_does_not_exist_in_one_line_submitting_nothing(submitted):
+    r, run_dir = submitted["refused"].result(timeout=300)
     line = "partition gpu does not exist (sinfo lists: debug): set submit.partition"
     assert r.returncode == 2 and line in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
-    assert not (run_dir / "cluster" / "jobs.json").exists()
+    assert not cluster_jobs.path(run_dir).exists()
 
 
 def test_a_request_larger_than_any_node_is_refused_before_anything_is_submitted(
