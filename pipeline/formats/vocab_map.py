@@ -55,6 +55,25 @@ def matches(weights: dict, d2t: torch.Tensor, t2d: torch.Tensor) -> bool:
     )
 
 
+# The draft vocabulary sizes compared beside vocab.draft_vocab_size and the full vocabulary: the vocab stage's
+# coverage table and `eaglepipe plan`'s memory table (at 150K+ targets the head and the loss grow with it)
+COMPARED_SIZES = (8192, 16384, 32768, 65536)
+
+
+def coverage_by_size(freq: np.ndarray, sizes) -> dict[int, float]:
+    """The share of supervised tokens the `k` most counted ids cover, for each k of `sizes` (k >= the
+    vocabulary: all of them)."""
+    cum = np.cumsum(np.sort(freq)[::-1])
+    total = max(int(cum[-1]), 1)
+    return {int(k): float(cum[min(int(k), len(freq)) - 1] / total) for k in sizes}
+
+
+def smallest_covering(freq: np.ndarray, share: float) -> int:
+    """The fewest ids that cover `share` of the supervised tokens."""
+    cum = np.cumsum(np.sort(freq)[::-1])
+    return int(np.searchsorted(cum, share * cum[-1]) + 1)
+
+
 def build(freq: np.ndarray, draft_vocab_size: int) -> tuple[torch.Tensor, torch.Tensor, int]:
     """Top-`draft_vocab_size` ids by count (ties: lower id first), padded with the lowest unused ids when
     fewer were seen (speculators' rule). Returns (d2t, t2d, number of padded ids)."""

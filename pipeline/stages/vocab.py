@@ -79,6 +79,8 @@ def run(cfg) -> Path:
         )
     used = np.arange(K) + d2t.numpy()
     coverage = float(freq[used].sum() / max(freq.sum(), 1))
+    by_size = vocab_map.coverage_by_size(freq, sorted({*vocab_map.COMPARED_SIZES, K, V}))
+    need = {share: vocab_map.smallest_covering(freq, share) for share in (0.99, 0.999)}
     tok = targets.load_tokenizer(Path(store.facts["target_path"]), cfg.target)
     top = np.argsort(-freq, kind="stable")[:20]
     report = {
@@ -86,6 +88,9 @@ def run(cfg) -> Path:
         "distinct_ids_seen": int((freq > 0).sum()),
         "padded_ids": padded,
         "coverage": coverage,
+        # what another vocab.draft_vocab_size would cover (issue #37: chosen by measurement at 150K+)
+        "coverage_by_size": {str(k): c for k, c in by_size.items() if k <= V},
+        "ids_for_coverage": {str(share): n for share, n in need.items()},
         "top_tokens": [
             {"id": int(i), "token": tok.convert_ids_to_tokens(int(i)), "count": int(freq[i])}
             for i in top
@@ -108,5 +113,11 @@ def run(cfg) -> Path:
         freq.sum(),
         report["distinct_ids_seen"],
         padded,
+    )
+    log.info(
+        "vocab: coverage by draft vocabulary size: %s; 99%% of the supervised tokens need %d ids, 99.9%% %d",
+        ", ".join(f"{k:,} {100 * c:.2f}%" for k, c in by_size.items() if k <= V),
+        need[0.99],
+        need[0.999],
     )
     return out_dir(cfg)

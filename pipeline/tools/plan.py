@@ -20,6 +20,7 @@ from rich.table import Table
 from pipeline.capture import features
 from pipeline.capture.aux_layers import aux_layer_ids
 from pipeline.errors import UserError
+from pipeline.formats import vocab_map
 from pipeline.models import draft, memory
 
 log = logging.getLogger(__name__)
@@ -89,6 +90,35 @@ def compute(cfg) -> dict:
     return est
 
 
+WEIGHT_PARTS = ("frozen parameters", "trainable parameters", "gradients", "AdamW", "DDP", "FSDP", "autocast")
+
+
+def by_draft_vocab(cfg) -> list[dict]:
+    """The plan at each of vocab_map.COMPARED_SIZES below the target's vocabulary, at
+    vocab.draft_vocab_size and at the full vocabulary: the draft's weights with their gradients, AdamW
+    moments, buckets and casts (its lm_head is draft vocab x hidden, trainable or frozen as the draft builds
+    it), the loss's bytes (the draft-vocabulary activation terms and the loss backward), the peak."""
+    V, rows = int(cfg.target.vocab_size), []
+    for K in sorted(
+        {k for k in vocab_map.COMPARED_SIZES if k < V} | {V, min(int(cfg.vocab.draft_vocab_size), V)}
+    ):
+        c = cfg.copy()
+        c.vocab.draft_vocab_size = K
+        est = compute(c)
+        loss = sum(b for term, b in est["activation_terms"].items() if "vocab" in term)
+        rows.append(
+            {
+                "draft_vocab": K,
+                "lm_head_parameters": K * int(cfg.target.hidden_size),
+                "weight_bytes": sum(b for part, b in est["parts"].items() if part.startswith(WEIGHT_PARTS)),
+                "loss_bytes": loss + est["parts"][memory.LOSS_BACKWARD],
+                "peak": est["peak"],
+                "fits": est["fits"],
+            }
+        )
+    return rows
+
+
 ONLINE_TARGET = "target weights, extract.dtype (train.features=online: every rank holds one)"
 PROBE_TARGET = "tau probe's target, fp32 (train.eval_tau_every_steps: rank 0, on eval.device)"
 
@@ -136,7 +166,26 @@ def run(cfg) -> None:
         if chunk
         else "loss: eager (train.loss_chunk_tokens=null)"
     )
+    _print_by_draft_vocab(cfg, est)
     print(
         "json: "
         + json.dumps({k: est[k] for k in ("target", "world_size", "strategy", "bf16", "peak", "fits")})
     )
+
+
+def _print_by_draft_vocab(cfg, est: dict) -> None:
+    gib, table = memory.GIB, Table(title="the same plan by draft vocabulary size (vocab.draft_vocab_size)")
+    for col in ("draft vocab", "lm_head params", "weights, grads, AdamW GiB", "loss GiB", "peak GiB", ""):
+        table.add_column(col, justify="right")
+    for r in by_draft_vocab(cfg):
+        mark = "this run" if r["draft_vocab"] == est["shape"]["draft_vocab"] else ""
+        full = " (full)" if r["draft_vocab"] == cfg.target.vocab_size else ""
+        table.add_row(
+            f"{r['draft_vocab']:,}{full}",
+            f"{r['lm_head_parameters']:,}",
+            f"{r['weight_bytes'] / gib:.2f}",
+            f"{r['loss_bytes'] / gib:.2f}",
+            f"{r['peak'] / gib:.2f}" + ("" if r["fits"] else " (does not fit)"),
+            mark,
+        )
+    Console(width=140).print(table)

@@ -29,6 +29,11 @@ def test_vocab_counts_supervised_tokens_of_the_store(make_cfg, tmp_path):
     report = json.loads((tmp_path / "vocab" / "report.json").read_text())
     assert report["supervised_tokens"] == counts.sum()
     assert report["coverage"] == pytest.approx(kept.sum() / counts.sum())
+    # the table for choosing another size: tiny's vocabulary is 1,024 ids, so the compared sizes are its own
+    # draft size and the full vocabulary
+    assert report["coverage_by_size"] == {"256": pytest.approx(report["coverage"]), "1024": 1.0}
+    top = np.sort(counts)[::-1].cumsum()
+    assert report["ids_for_coverage"]["0.99"] == int(np.argmax(top >= 0.99 * counts.sum())) + 1
 
 
 def test_vocab_larger_than_the_target_vocabulary_is_a_user_error(make_cfg, tmp_path):

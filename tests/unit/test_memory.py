@@ -138,3 +138,19 @@ def test_attention_pairs_are_the_nonzeros_of_speculators_mask_at_every_ttt_step(
         mask = extend_dense_mask_for_draft_tokens(mask, T)
     assert got == want
     assert memory.attention_model_flops(doc, 4, heads=2, head_dim=8) == 12 * 2 * 8 * sum(want)
+
+
+def test_plan_gives_the_head_and_loss_memory_at_each_draft_vocabulary_size_up_to_the_full_one(make_cfg):
+    """Issue #37: at Qwen2.5's 151,936 ids the loss (linear in the draft vocabulary) is what grows; the
+    configured size is among the rows, and the full vocabulary is the last."""
+    from pipeline.tools import plan
+
+    cfg = make_cfg("target=qwen25_coder", "vocab.draft_vocab_size=24000")
+    sizes = [8192, 16384, 24000, 32768, 65536, 151936]
+    rows = plan.by_draft_vocab(cfg)
+    assert [r["draft_vocab"] for r in rows] == sizes
+    assert [r["lm_head_parameters"] for r in rows] == [k * 896 for k in sizes]
+    loss = [r["loss_bytes"] for r in rows]
+    assert loss == sorted(loss) and loss[-1] / loss[0] == pytest.approx(151936 / 8192, rel=0.01)
+    assert [r["peak"] for r in rows] == sorted(r["peak"] for r in rows)
+    assert rows[2]["peak"] == plan.compute(cfg)["peak"]  # the row of the configured size is the plan's own
