@@ -68,6 +68,14 @@ def coverage_by_size(freq: np.ndarray, sizes) -> dict[int, float]:
     return {int(k): float(cum[min(int(k), len(freq)) - 1] / total) for k in sizes}
 
 
+def heldout_coverage_by_size(fit: np.ndarray, held: np.ndarray, sizes) -> dict[int, float]:
+    """The share of `held`'s supervised tokens covered by the `k` ids most counted in `fit` (other samples):
+    what a draft vocabulary chosen on the training data covers of data it was not chosen on."""
+    cum = np.cumsum(held[np.argsort(-fit, kind="stable")])
+    total = max(int(cum[-1]), 1)
+    return {int(k): float(cum[min(int(k), len(fit)) - 1] / total) for k in sizes}
+
+
 def smallest_covering(freq: np.ndarray, share: float) -> int:
     """The fewest ids that cover `share` of the supervised tokens."""
     cum = np.cumsum(np.sort(freq)[::-1])

@@ -23,6 +23,7 @@ from pipeline.formats.run_dir import RunDir
 from pipeline.models import targets
 
 log = logging.getLogger(__name__)
+HOLD_EVERY = 10  # the held-out coverage's split: every 10th unit of the store's tokens (sample or shard)
 
 
 def out_dir(cfg) -> Path:
@@ -66,9 +67,12 @@ def run(cfg) -> Path:
     V, K = int(store.facts["vocab_size"]), cfg.vocab.draft_vocab_size
     if not 1 <= K <= V:
         raise UserError(f"vocab.draft_vocab_size={K}: must be in [1, {V}] (the target vocabulary)")
-    freq = np.zeros(V, dtype=np.int64)
-    for ids, mask in store.iter_tokens():
+    freq, held = np.zeros(V, dtype=np.int64), np.zeros(V, dtype=np.int64)
+    units = 0  # the held-out coverage: every HOLD_EVERY-th sample (offline store: shard) counted apart too
+    for units, (ids, mask) in enumerate(store.iter_tokens(), start=1):
         np.add.at(freq, ids[mask.astype(bool)], 1)
+        if units % HOLD_EVERY == 0:
+            np.add.at(held, ids[mask.astype(bool)], 1)
     d2t, t2d, padded = vocab_map.build(freq, K)
     if padded:
         log.warning(
@@ -79,7 +83,11 @@ def run(cfg) -> Path:
         )
     used = np.arange(K) + d2t.numpy()
     coverage = float(freq[used].sum() / max(freq.sum(), 1))
-    by_size = vocab_map.coverage_by_size(freq, sorted({*vocab_map.COMPARED_SIZES, K, V}))
+    sizes = sorted(k for k in {*vocab_map.COMPARED_SIZES, K, V} if k <= V)
+    by_size = vocab_map.coverage_by_size(freq, sizes)
+    held_by_size = (  # chosen on the other units, measured on these: the in-sample figure overstates
+        vocab_map.heldout_coverage_by_size(freq - held, held, sizes) if units >= HOLD_EVERY else None
+    )
     need = {share: vocab_map.smallest_covering(freq, share) for share in (0.99, 0.999)}
     tok = targets.load_tokenizer(Path(store.facts["target_path"]), cfg.target)
     top = np.argsort(-freq, kind="stable")[:20]
@@ -89,7 +97,9 @@ def run(cfg) -> Path:
         "padded_ids": padded,
         "coverage": coverage,
         # what another vocab.draft_vocab_size would cover (issue #37: chosen by measurement at 150K+)
-        "coverage_by_size": {str(k): c for k, c in by_size.items() if k <= V},
+        "coverage_by_size": {str(k): c for k, c in by_size.items()},
+        "heldout_coverage_by_size": held_by_size and {str(k): c for k, c in held_by_size.items()},
+        "heldout_units": units // HOLD_EVERY,
         "ids_for_coverage": {str(share): n for share, n in need.items()},
         "top_tokens": [
             {"id": int(i), "token": tok.convert_ids_to_tokens(int(i)), "count": int(freq[i])}
@@ -115,9 +125,19 @@ def run(cfg) -> Path:
         padded,
     )
     log.info(
-        "vocab: coverage by draft vocabulary size: %s; 99%% of the supervised tokens need %d ids, 99.9%% %d",
-        ", ".join(f"{k:,} {100 * c:.2f}%" for k, c in by_size.items() if k <= V),
+        "vocab: coverage by draft vocabulary size, in-sample: %s; 99%% of the supervised tokens need %d ids, "
+        "99.9%% %d",
+        ", ".join(f"{k:,} {100 * c:.2f}%" for k, c in by_size.items()),
         need[0.99],
         need[0.999],
     )
+    if held_by_size is None:
+        log.info("vocab: no held-out coverage: %d unit(s) of tokens, fewer than %d", units, HOLD_EVERY)
+    else:
+        log.info(
+            "vocab: coverage of every %dth unit's tokens (%d units) by the ids the others count most: %s",
+            HOLD_EVERY,
+            units // HOLD_EVERY,
+            ", ".join(f"{k:,} {100 * c:.2f}%" for k, c in held_by_size.items()),
+        )
     return out_dir(cfg)

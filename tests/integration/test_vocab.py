@@ -34,6 +34,7 @@ def test_vocab_counts_supervised_tokens_of_the_store(make_cfg, tmp_path):
     assert report["coverage_by_size"] == {"256": pytest.approx(report["coverage"]), "1024": 1.0}
     top = np.sort(counts)[::-1].cumsum()
     assert report["ids_for_coverage"]["0.99"] == int(np.argmax(top >= 0.99 * counts.sum())) + 1
+    assert report["heldout_coverage_by_size"] is None and report["heldout_units"] == 0  # fewer than 10 shards
 
 
 def test_vocab_larger_than_the_target_vocabulary_is_a_user_error(make_cfg, tmp_path):
