@@ -44,7 +44,10 @@ def main(plan: Path, name: str) -> None:
     runs = sorted((p for p in plan.glob("v[0-9]*") if p.is_dir()), key=lambda p: int(p.name[1:]))
     if not runs:  # never a results JSON of nothing
         sys.exit(f"qwen_vocab_report: {plan} has no v<K>/ run dirs; usage: PLAN_DIR [NAME]")
-    res = bench_json.header(name, command="python3 scripts/gpu/plan.py start qwen_vocab")
+    planned = (plan / "state.json").is_file()  # a GPU plan's dir; else run dirs made by hand (the CPU run)
+    res = bench_json.header(
+        name, **({"command": "python3 scripts/gpu/plan.py start qwen_vocab"} if planned else {})
+    )
     try:
         import torch
 
@@ -56,6 +59,10 @@ def main(plan: Path, name: str) -> None:
     res["heldout_coverage_by_size"] = first.get("heldout_coverage_by_size")
     res["ids_for_coverage"] = first.get("ids_for_coverage")
     res["supervised_tokens"] = first.get("supervised_tokens")
+    stats = _json(runs[0] / "prepared" / "stats.json") or {}
+    res["prepared"] = {
+        k: stats.get(k) for k in ("data", "samples", "tokens", "supervised_tokens", "target_path")
+    }
     res["rows"] = [row(r) for r in runs]
     out = bench_json.write(res, name, Path(__file__).parent / "results")
     for r in res["rows"]:
