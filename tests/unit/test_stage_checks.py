@@ -79,7 +79,7 @@ def test_bad_settings_are_refused_before_the_stage_works(make_cfg, stage, overri
 
 @pytest.mark.parametrize("stage", [train, evaluate, export, vocab])
 def test_the_shipped_experiments_pass_their_checks(make_cfg, stage):
-    for experiment in ("tiny", "demo", "gpu_smollm2"):
+    for experiment in ("tiny", "demo", "gpu_smollm2", "gpu_smollm2_large", "gpu_qwen25_coder"):
         stage.check(make_cfg(f"+experiment={experiment}"))
 
 
