@@ -42,3 +42,8 @@ def write(res: dict, name: str, default: str | Path = ".") -> Path:
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{name}.json").write_text(json.dumps(res, indent=1) + "\n")
     return out / f"{name}.json"
+
+
+def read(path: Path) -> dict:
+    """A JSON file a run wrote, or {} where there is none."""
+    return json.loads(Path(path).read_text()) if Path(path).is_file() else {}

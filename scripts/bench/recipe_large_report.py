@@ -13,9 +13,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_json  # noqa: E402
 
-
-def _json(p: Path):
-    return json.loads(p.read_text()) if p.is_file() else None
+_json = bench_json.read
 
 
 def main(plan: Path, name: str) -> None:
