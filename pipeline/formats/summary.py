@@ -49,9 +49,12 @@ def figures(run_dir: Path) -> dict[str, str]:
             f"{f['compute_dtype']}); {tokens:,} tokens in {len(m['shards'])} shard(s)"
         )
     if (v := _read(RunDir(r).vocab_manifest)) and (rep := _read(r / "vocab" / vocab_map.REPORT)):
+        held = (rep.get("heldout_coverage_by_size") or {}).get(str(v["draft_vocab_size"]))
         out["vocab"] = (
             f"{v['draft_vocab_size']:,} draft ids of {v['target_vocab_size']:,} cover "
-            f"{100 * v['coverage']:.2f}% of supervised tokens ({rep['distinct_ids_seen']:,} distinct seen)"
+            f"{100 * v['coverage']:.2f}% of supervised tokens in-sample"
+            + (f", {100 * held:.2f}% held out" if held is not None else "")
+            + f" ({rep['distinct_ids_seen']:,} distinct seen)"
         )
     if t := _read(RunDir(r).train_summary):
         out["train"] = (

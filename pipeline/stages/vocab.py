@@ -117,7 +117,8 @@ def run(cfg) -> Path:
     vocab_map.save(out_dir(cfg), d2t, t2d, freq, info)
     (out_dir(cfg) / vocab_map.REPORT).write_text(json.dumps(report, indent=1))
     log.info(
-        "vocab: %d draft ids cover %.2f%% of %d supervised tokens (%d distinct seen, %d padded)",
+        "vocab: %d draft ids cover %.2f%% of the %d supervised tokens they were chosen on (in-sample; %d "
+        "distinct seen, %d padded)",
         K,
         100 * coverage,
         freq.sum(),
