@@ -61,18 +61,25 @@ def is_complete(cfg) -> bool:
     return True
 
 
+def _count(store, V: int) -> tuple[np.ndarray, np.ndarray, int]:
+    """Supervised-token counts over the store, and apart the counts of every HOLD_EVERY-th unit (sample;
+    offline store: shard), the held-out part of the coverage."""
+    freq, held = np.zeros(V, dtype=np.int64), np.zeros(V, dtype=np.int64)
+    units = 0
+    for units, (ids, mask) in enumerate(store.iter_tokens(), start=1):
+        np.add.at(freq, ids[mask.astype(bool)], 1)
+        if units % HOLD_EVERY == 0:
+            np.add.at(held, ids[mask.astype(bool)], 1)
+    return freq, held, units
+
+
 def run(cfg) -> Path:
     check(cfg)
     store = features.open_source(cfg)  # online: prepared/'s tokens, the target never loaded
     V, K = int(store.facts["vocab_size"]), cfg.vocab.draft_vocab_size
     if not 1 <= K <= V:
         raise UserError(f"vocab.draft_vocab_size={K}: must be in [1, {V}] (the target vocabulary)")
-    freq, held = np.zeros(V, dtype=np.int64), np.zeros(V, dtype=np.int64)
-    units = 0  # the held-out coverage: every HOLD_EVERY-th sample (offline store: shard) counted apart too
-    for units, (ids, mask) in enumerate(store.iter_tokens(), start=1):
-        np.add.at(freq, ids[mask.astype(bool)], 1)
-        if units % HOLD_EVERY == 0:
-            np.add.at(held, ids[mask.astype(bool)], 1)
+    freq, held, units = _count(store, V)
     d2t, t2d, padded = vocab_map.build(freq, K)
     if padded:
         log.warning(
