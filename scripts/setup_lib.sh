@@ -27,7 +27,6 @@ check_disk() {  # check_disk MiB: free space where the virtualenv goes (pip's ca
   free=$("$PY" -c 'import shutil; print(shutil.disk_usage(".").free // 2**20)')
   [ "$free" -ge "$1" ] || fail "check disk" "$(pwd) has ${free} MiB free, $VENV needs about $1 MiB: free some space and run the same command again"
 }
-
 # venv_begin VENV WANT_STAMP: returns 1 if VENV is complete and up to date (nothing to do), else prepares it
 venv_begin() {
   VENV=$1
@@ -48,7 +47,6 @@ venv_begin() {
   rm -f "$VENV/.eaglepipe-deps"
   return 0
 }
-
 step() {  # step NAME HINT CMD...: run CMD; on failure one line naming the step and what to do
   local name=$1 hint=$2
   shift 2
@@ -58,11 +56,9 @@ step() {  # step NAME HINT CMD...: run CMD; on failure one line naming the step 
   "$@" 2> >(grep -v "^WARNING: Location 'file://.*' is ignored: it is neither a file nor a directory" >&2) \
     || fail "$name" "$hint (exit $?)"
 }
-
 venv_done() {
   echo "$WANT" > "$VENV/.eaglepipe-deps"
   rm -f "$VENV/.eaglepipe-incomplete"
   echo "$SETUP_NAME: $VENV ready ($(du -sh "$VENV" | cut -f1))"
 }
-
 NET_HINT="pip could not install it (its message is above): check that PyPI is reachable (a proxy? offline?) and that the disk is not full, then run the same command again"

@@ -1,12 +1,11 @@
-"""A recipe plan's run (scripts/gpu/plans/recipe_large.json, serving.json) gathered into one results JSON.
-
-The keys issue #31's bar reads: tau_k3.{heldout,mt_bench,humaneval} (offline, the report half of held-out),
-acceptance_pos0 (held-out, k = 3), online.accept_length.<set>, online.graphs_on.speedup_c{1,8,32},
-train_tokens, wall_s, commit; beside them what explains them (stage seconds, disk peak, prepare's counts,
-train's figures). Usage: python scripts/bench/recipe_large_report.py PLAN_DIR [NAME]  (writes NAME.json)
-"""
+"""A recipe plan's run (plans recipe_large, serving, qwen_coder) gathered into one results JSON: the keys
+of #31's and #37's bars (tau_k3.<set>: offline, held-out's report half; acceptance_pos0;
+online.accept_length.<set>; online.graphs_on.speedup_c<N>; train_tokens; wall_s; commit; vocab_sweep where
+$VOCAB_SWEEP names plan qwen_vocab's results) and what explains them (stage seconds, disk, prepare, train).
+Usage: python scripts/bench/recipe_large_report.py PLAN_DIR [NAME]   (writes NAME.json)"""
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -14,6 +13,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_json  # noqa: E402
 
 _json = bench_json.read
+TRAIN_KEYS = "optimizer_steps throughput peak_memory selected val_after".split()
+PREPARE_KEYS = "samples tokens supervised_tokens truncated skipped_records dropped_samples changed_records "
+PREPARE_KEYS = (PREPARE_KEYS + "regenerate mix leaks synthesize").split()
 
 
 def main(plan: Path, name: str) -> None:
@@ -29,13 +31,10 @@ def main(plan: Path, name: str) -> None:
     res["stage_seconds"] = {k: v.get("seconds") for k, v in (_json(run / "stages.json") or {}).items()}
     res["disk_peak_bytes"] = state.get("disk_used_peak_bytes", 0) - state.get("disk_used_start_bytes", 0)
     stats = _json(run / "prepared" / "stats.json") or {}
-    keys = "samples tokens supervised_tokens truncated skipped_records dropped_samples changed_records"
-    keys += " regenerate mix leaks synthesize"
-    res["prepare"] = {k: stats.get(k) for k in keys.split()}
+    res["prepare"] = {k: stats.get(k) for k in PREPARE_KEYS}
     res["prepare"]["heldout_samples"] = len(stats.get("heldout_samples") or [])
     summary = _json(run / "train" / "final" / "train_summary.json") or {}
-    keys = "optimizer_steps throughput peak_memory selected val_after"
-    res["train"] = {k: summary.get(k) for k in keys.split()}
+    res["train"] = {k: summary.get(k) for k in TRAIN_KEYS}
     metrics = run / "train" / "metrics.jsonl"
     lines = metrics.read_text().splitlines() if metrics.is_file() else []
     res["train"]["tau_probes"] = [json.loads(x) for x in lines if '"tau"' in x]
@@ -49,6 +48,11 @@ def main(plan: Path, name: str) -> None:
     res["acceptance_per_position_k3"] = pos
     res["acceptance_pos0"] = pos[0] if pos else None
     res["online"] = online(run, sets)
+    sweep = _json(Path(os.environ.get("VOCAB_SWEEP") or "/nonexistent"))
+    keep = "draft_vocab coverage_in_sample coverage_heldout tau_k3 train_tokens_per_s peak_memory".split()
+    if sweep:  # measured by its own plan (another run, its own data size): carried with its source named
+        rows = [{k: r.get(k) for k in keep} for r in sweep["rows"]]
+        res["vocab_sweep"] = {"source": sweep["bench"], "device": sweep["device"], "rows": rows}
     out = bench_json.write(res, name, Path(__file__).parent / "results")
     print(json.dumps({k: res[k] for k in ("wall_s", "train_tokens", "tau_k3", "acceptance_pos0")}))
     print(json.dumps(res["online"].get("graphs_on", {})), "->", out)
