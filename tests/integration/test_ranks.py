@@ -7,10 +7,13 @@ FSDP (train.strategy=fsdp: FSDP2 full shard, DCP checkpoints) trains to DDP's we
 
 One store (tiny); every run is its own process on its own run dir with that store copied in:
   A: 2 ranks, grad_accum 1    C: 1 rank, grad_accum 2     (uninterrupted, checkpoints every 2 steps)
-  B: A's step-4 checkpoint resumed on 1 rank, grad_accum 2    D: C's step-4 checkpoint resumed on 2 ranks
+  B: A's step-4 checkpoint resumed on 1 rank, grad_accum 2
   E: as A under FSDP          F: E's step-4 checkpoint resumed under FSDP
   H: 2 ranks x grad_accum 2 under FSDP    I: H's step-4 checkpoint resumed on 4 ranks under FSDP (DCP
-  reshards)."""
+  reshards).
+Runs that do not wait for each other run two at a time (A with C, B with E, F with H): each process spends
+seconds importing, time a second run fills on this 2-core machine. A 1-rank checkpoint resumed on 2 ranks is
+the same code path as B in the other direction and as I on more ranks; it is not run separately."""
 
 import json
 import shutil
@@ -37,9 +40,8 @@ COMMON = [
 ]
 
 
-def _train(
-    run_dir: Path, cache_dir: str, ranks: int, grad_accum: int, *extra: str
-) -> subprocess.CompletedProcess:
+def _train(run_dir: Path, cache_dir: str, ranks: int, grad_accum: int, *extra: str) -> subprocess.Popen:
+    """Started, not waited for: `_done` waits."""
     accelerate = str(
         Path(sys.executable).parent / "accelerate"
     )  # the CLI users type (its `launch` subcommand)
@@ -57,9 +59,23 @@ def _train(
         f"run_dir={run_dir}",
         f"cache_dir={cache_dir}",
     ]
-    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
-    assert r.returncode == 0, r.stderr[-3000:]
-    return r
+    out = open(run_dir.parent / f"{run_dir.name}.out", "w+")
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, text=True)
+    proc.log = out
+    return proc
+
+
+def _done(*procs: subprocess.Popen) -> list[subprocess.CompletedProcess]:
+    """Each run waited for; its output (stdout and stderr together) as stdout and stderr of the result."""
+    results = []
+    for p in procs:
+        p.wait(timeout=900)
+        p.log.seek(0)
+        text = p.log.read()
+        p.log.close()
+        assert p.returncode == 0, text[-3000:]
+        results.append(subprocess.CompletedProcess(p.args, p.returncode, text, text))
+    return results
 
 
 def _copy_inputs(src: Path, dst: Path, checkpoint: str | None = None) -> Path:
@@ -86,19 +102,16 @@ def runs(make_cfg, tmp_path_factory, cache_dir):
     store = root / "store"
     for stage in ("prepare", "extract", "vocab"):
         run_stages(make_cfg(*COMMON, f"stage={stage}", run_dir=store))
-    a, c = _copy_inputs(store, root / "A"), _copy_inputs(store, root / "C")
-    logs = {"A": _train(a, cache_dir, 2, 1), "C": _train(c, cache_dir, 1, 2)}
-    b, d = _copy_inputs(a, root / "B", "step_000004"), _copy_inputs(c, root / "D", "step_000004")
-    logs["B"], logs["D"] = _train(b, cache_dir, 1, 2), _train(d, cache_dir, 2, 1)
-    e = _copy_inputs(store, root / "E")
-    logs["E"] = _train(e, cache_dir, 2, 1, "train.strategy=fsdp")
+    a, c, e, h = (_copy_inputs(store, root / x) for x in "ACEH")
+    logs = dict(zip("AC", _done(_train(a, cache_dir, 2, 1), _train(c, cache_dir, 1, 2))))
+    b = _copy_inputs(a, root / "B", "step_000004")
+    logs |= zip("BE", _done(_train(b, cache_dir, 1, 2), _train(e, cache_dir, 2, 1, "train.strategy=fsdp")))
     f = _copy_inputs(e, root / "F", "step_000004")
-    logs["F"] = _train(f, cache_dir, 2, 1, "train.strategy=fsdp")
-    h = _copy_inputs(store, root / "H")
-    logs["H"] = _train(h, cache_dir, 2, 2, "train.strategy=fsdp")
+    fsdp = "train.strategy=fsdp"
+    logs |= zip("FH", _done(_train(f, cache_dir, 2, 1, fsdp), _train(h, cache_dir, 2, 2, fsdp)))
     i = _copy_inputs(h, root / "I", "step_000004")
-    logs["I"] = _train(i, cache_dir, 4, 1, "train.strategy=fsdp")
-    return {"A": a, "B": b, "C": c, "D": d, "E": e, "F": f, "H": h, "I": i, "store": store, "logs": logs}
+    (logs["I"],) = _done(_train(i, cache_dir, 4, 1, "train.strategy=fsdp"))
+    return {"A": a, "B": b, "C": c, "E": e, "F": f, "H": h, "I": i, "store": store, "logs": logs}
 
 
 def test_accelerate_launch_cpu_with_two_processes_trains_on_two_ranks(runs):
@@ -112,8 +125,8 @@ def test_two_ranks_equal_one_rank_with_two_accumulation_steps(runs):
     assert _close(_final(runs["A"]), _final(runs["C"])) <= 1e-5
 
 
-def test_a_checkpoint_of_two_ranks_resumes_on_one_and_of_one_on_two(runs):
-    for resumed, straight, was, now in (("B", "A", 2, 1), ("D", "C", 1, 2)):
+def test_a_checkpoint_of_two_ranks_resumes_on_one(runs):
+    for resumed, straight, was, now in (("B", "A", 2, 1),):
         log = runs["logs"][resumed].stdout + runs["logs"][resumed].stderr
         assert "train: resumed from" in log and f"on {now} rank(s) (it was written by {was})" in log, log[
             -2000:
