@@ -1,6 +1,7 @@
 """Training: a real learning signal, bit-identical resume after SIGKILL, packing isolation, aux ids flow."""
 
 import json
+import shutil
 import signal
 import subprocess
 import sys
@@ -96,10 +97,19 @@ def _cmd(run_dir, cache_dir):
 
 
 def test_training_killed_and_resumed_ends_bit_identical(make_cfg, tmp_path, cache_dir):
-    straight = subprocess.run(_cmd(tmp_path / "a", cache_dir), cwd=ROOT, capture_output=True, text=True)
-    assert straight.returncode == 0, straight.stderr[-3000:]
+    """b is killed after its step-5 checkpoint and resumed; a, on a copy of b's inputs, trains straight
+    through beside it (two processes at once: each spends seconds importing)."""
     for stage in ("prepare", "extract", "vocab"):
         run_stages(make_cfg("+experiment=tiny", f"stage={stage}", run_dir=tmp_path / "b"))
+    for name in ("prepared", "features", "vocab"):
+        shutil.copytree(tmp_path / "b" / name, tmp_path / "a" / name)
+    straight_log = open(tmp_path / "a.log", "w+")
+    straight = subprocess.Popen(
+        _cmd(tmp_path / "a", cache_dir) + ["stage=train"],
+        cwd=ROOT,
+        stdout=straight_log,
+        stderr=subprocess.STDOUT,
+    )
     proc = subprocess.Popen(
         _cmd(tmp_path / "b", cache_dir) + ["stage=train"],
         cwd=ROOT,
@@ -120,6 +130,10 @@ def test_training_killed_and_resumed_ends_bit_identical(make_cfg, tmp_path, cach
     )
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "train: resumed from" in resumed.stdout + resumed.stderr
+    straight.wait(timeout=600)
+    straight_log.seek(0)
+    assert straight.returncode == 0, straight_log.read()[-3000:]
+    straight_log.close()
     a = load_file(str(tmp_path / "a" / "train" / "final" / "model.safetensors"))
     b = load_file(str(tmp_path / "b" / "train" / "final" / "model.safetensors"))
     assert a.keys() == b.keys()
