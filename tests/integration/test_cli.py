@@ -65,7 +65,10 @@ def test_stage_all_skips_fresh_stages_and_redoes_what_changed(make_cfg, tmp_path
     # ... until told to replace them; then training refuses checkpoints of the old features the same way
     with pytest.raises(UserError, match="trained on other inputs.*train.resume=never"):
         run_stages(make_cfg("+experiment=tiny", "data.limit=5", "extract.overwrite=true", run_dir=tmp_path))
-    run_stages(make_cfg("+experiment=tiny", "data.limit=5", "train.resume=never", run_dir=tmp_path))
+    # train alone: export and evaluate after it run the first run's code path again (engines' verify too)
+    run_stages(
+        make_cfg("+experiment=tiny", "data.limit=5", "train.resume=never", "stage=train", run_dir=tmp_path)
+    )
     assert read_records(tmp_path)["train"]["fingerprint"] != first["train"]["fingerprint"]
     assert json.loads((tmp_path / "features" / "manifest.json").read_text())["facts"]["num_samples"] == 5
 
