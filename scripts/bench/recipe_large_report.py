@@ -16,6 +16,7 @@ _json = bench_json.read
 TRAIN_KEYS = "optimizer_steps throughput peak_memory selected val_after".split()
 PREPARE_KEYS = "samples tokens supervised_tokens truncated skipped_records dropped_samples changed_records "
 PREPARE_KEYS = (PREPARE_KEYS + "regenerate mix leaks synthesize").split()
+SWEEP_KEYS = "draft_vocab coverage_in_sample coverage_heldout tau_k3 train_tokens_per_s peak_memory".split()
 
 
 def main(plan: Path, name: str) -> None:
@@ -48,10 +49,9 @@ def main(plan: Path, name: str) -> None:
     res["acceptance_per_position_k3"] = pos
     res["acceptance_pos0"] = pos[0] if pos else None
     res["online"] = online(run, sets)
-    sweep = _json(Path(os.environ.get("VOCAB_SWEEP") or "/nonexistent"))
-    keep = "draft_vocab coverage_in_sample coverage_heldout tau_k3 train_tokens_per_s peak_memory".split()
+    sweep = _json(Path(os.environ["VOCAB_SWEEP"])) if os.environ.get("VOCAB_SWEEP") else {}
     if sweep:  # measured by its own plan (another run, its own data size): carried with its source named
-        rows = [{k: r.get(k) for k in keep} for r in sweep["rows"]]
+        rows = [{k: r.get(k) for k in SWEEP_KEYS} for r in sweep["rows"]]
         res["vocab_sweep"] = {"source": sweep["bench"], "device": sweep["device"], "rows": rows}
     out = bench_json.write(res, name, Path(__file__).parent / "results")
     print(json.dumps({k: res[k] for k in ("wall_s", "train_tokens", "tau_k3", "acceptance_pos0")}))
