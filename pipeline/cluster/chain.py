@@ -195,29 +195,63 @@ def line(states: dict, entry: dict) -> str:
     return f"{st.get('JobState', '?')}{restarts}"
 
 
-def follow(run_dir: Path, chain: dict[str, dict], poll_s: float) -> None:
+ENDED = slurm.ENDED_BADLY | {"UNKNOWN"}
+
+
+def first_ended_badly(order: list[str], chain: dict[str, dict], states: dict) -> str | None:
+    return next((s for s in order if states[chain[s]["job_id"]].get("JobState") in ENDED), None)
+
+
+def cause(
+    order: list[str], chain: dict[str, dict], poll_s: float, ask=slurm.jobs, settle_s: float = 60.0
+) -> tuple[str, dict]:
+    """The stage whose job ended the chain, read after SLURM's cascade settles.
+
+    --kill-on-invalid-dep cancels a failed job's dependents while that job may still show COMPLETING, and
+    scontrol is asked one job at a time: one pass can see evaluate CANCELLED before it sees prepare FAILED. So
+    the jobs are asked again (after the dependents' cancel, by causality, the failure that caused it shows),
+    and again while a job before the first one that ended badly still shows COMPLETING (for at most
+    settle_s). `ask`: ids -> states (slurm.jobs)."""
+    ids = [chain[s]["job_id"] for s in order]
+    deadline = time.monotonic() + settle_s
+    while True:
+        states = ask(ids)
+        stage = first_ended_badly(order, chain, states)
+        before = order[: order.index(stage)] if stage else order
+        completing = any(states[chain[s]["job_id"]].get("JobState") == "COMPLETING" for s in before)
+        if stage and (not completing or time.monotonic() > deadline):
+            return stage, states
+        time.sleep(poll_s)
+
+
+def follow(run_dir: Path, chain: dict[str, dict], poll_s: float, ask=slurm.jobs) -> None:
     """Until the chain ends: one line per change of a job's state; a job that ends badly names its log, its
     still-waiting dependents are cancelled and the line says how to go on."""
     seen: dict[str, tuple] = {}
     order = list(chain)
-    while True:
-        states = slurm.jobs([e["job_id"] for e in chain.values()])
+
+    def show(states: dict) -> None:
         for stage in order:
             e = chain[stage]
-            st = states[e["job_id"]]
-            now = (st.get("JobState"), st.get("Restarts", "0"))
+            now = (states[e["job_id"]].get("JobState"), states[e["job_id"]].get("Restarts", "0"))
             if seen.get(stage) != now:
                 seen[stage] = now
                 log.info("submit: %-8s job %s %s", stage, e["job_id"], line(states, e))
-            if now[0] in slurm.ENDED_BADLY or now[0] == "UNKNOWN":
-                rest = [chain[s]["job_id"] for s in order[order.index(stage) + 1 :]]
-                waiting = [j for j in rest if states[j].get("JobState") in slurm.IN_FLIGHT]
-                slurm.cancel(waiting)
-                raise UserError(
-                    f"stage {stage}: job {e['job_id']} {now[0]} (exit {st.get('ExitCode', '?')}); its log: "
-                    f"{e['log']}; {len(rest)} job(s) after it cancelled ({', '.join(rest) or 'none'}); fix "
-                    "it and submit again (the stages that finished are not redone)"
-                )
+
+    while True:
+        states = ask([e["job_id"] for e in chain.values()])
+        show(states)
+        if first_ended_badly(order, chain, states):
+            stage, states = cause(order, chain, poll_s, ask)
+            show(states)
+            e, st = chain[stage], states[chain[stage]["job_id"]]
+            rest = [chain[s]["job_id"] for s in order[order.index(stage) + 1 :]]
+            slurm.cancel([j for j in rest if states[j].get("JobState") in slurm.IN_FLIGHT])
+            raise UserError(
+                f"stage {stage}: job {e['job_id']} {st.get('JobState')} (exit {st.get('ExitCode', '?')}); "
+                f"its log: {e['log']}; {len(rest)} job(s) after it cancelled ({', '.join(rest) or 'none'}); "
+                "fix it and submit again (the stages that finished are not redone)"
+            )
         if all(states[e["job_id"]].get("JobState") == "COMPLETED" for e in chain.values()):
             log.info("submit: the chain finished (%d job(s)) in %s", len(chain), run_dir)
             return
