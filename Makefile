@@ -25,10 +25,11 @@ lint: setup
 	.venv/bin/ruff check .
 	.venv/bin/ruff format --check .
 
-# lint first, then everything except hardware-bound markers, on 2 workers (one test file each at a time, one torch
-# thread each: the CI machine has 2 cores); pytest exit 5 ("no tests ran") is not a failure
+# lint first, then everything except hardware-bound markers, on 2 workers (one test file each at a time, the
+# longest first: tests/conftest.py says why; one torch thread each: the CI machine has 2 cores); pytest exit 5
+# ("no tests ran") is not a failure
 test: setup-all lint
-	OMP_NUM_THREADS=1 .venv/bin/python -m pytest -m "not gpu and not requires_sglang_gpu" -q -n 2 --dist loadfile --durations=25; rc=$$?; [ $$rc -eq 5 ] && exit 0; exit $$rc
+	OMP_NUM_THREADS=1 .venv/bin/python -m pytest -m "not gpu and not requires_sglang_gpu" -q -n 2 --dist loadfile --no-loadscope-reorder --durations=25; rc=$$?; [ $$rc -eq 5 ] && exit 0; exit $$rc
 
 test-fast: setup
 	.venv/bin/python -m pytest -m "not slow and not gpu and not requires_sglang_gpu" -q

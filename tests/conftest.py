@@ -1,6 +1,9 @@
-"""Shared fixtures: a target cache for the whole session, Hydra composition, built targets."""
+"""Shared fixtures: a target cache for the whole session, Hydra composition, built targets. And the order
+in which CI's two workers take the test files: longest first."""
 
+import json
 import os
+from collections import defaultdict
 from pathlib import Path
 
 import pytest
@@ -11,6 +14,34 @@ from pipeline.config import register
 
 CONF = str(Path(__file__).resolve().parents[1] / "conf")
 register()
+
+# Seconds each test file took in CI (setup, call and teardown of its tests, summed). `make test` runs
+# `--dist loadfile --no-loadscope-reorder`: xdist hands whole files to its workers in collection order, one
+# more whenever a worker runs short. Files sorted longest first make that greedy schedule end with short files
+# on both workers, instead of one worker starting a 6-minute file while the other runs out of work.
+# Re-measure: EAGLEPIPE_FILE_SECONDS=tests/file_seconds.json make test (written when the session ends).
+FILE_SECONDS = Path(__file__).with_name("file_seconds.json")
+_spent: dict[str, float] = defaultdict(float)
+
+
+def pytest_collection_modifyitems(config, items):
+    seconds = json.loads(FILE_SECONDS.read_text())["seconds"] if FILE_SECONDS.is_file() else {}
+    first = {}
+    for i, item in enumerate(items):
+        first.setdefault(item.nodeid.split("::")[0], i)
+    items.sort(key=lambda it: (-seconds.get(it.nodeid.split("::")[0], 0.0), first[it.nodeid.split("::")[0]]))
+
+
+def pytest_runtest_logreport(report):
+    _spent[report.nodeid.split("::")[0]] += report.duration
+
+
+def pytest_sessionfinish(session, exitstatus):
+    out = os.environ.get("EAGLEPIPE_FILE_SECONDS")
+    if out and not hasattr(session.config, "workerinput"):  # the controller sees every worker's reports
+        table = dict(sorted(((f, round(s, 1)) for f, s in _spent.items()), key=lambda kv: -kv[1]))
+        total = round(sum(_spent.values()), 1)
+        Path(out).write_text(json.dumps({"seconds": table, "total": total}, indent=1) + "\n")
 
 
 @pytest.fixture(scope="session")
