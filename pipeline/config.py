@@ -271,6 +271,9 @@ class ExportConfig:
     serve: ServeConfig = field(default_factory=ServeConfig)
     # Load each export into the engine's own class (.venv-engines: make setup-engines).
     verify_in_engine: bool = True
+    # the engine's report of the same export bytes in the same engine (and checking code) is remembered in
+    # cache_dir/engine_reports/ and not loaded again (pipeline/formats/engine_memo.py); false: load every time
+    verify_memo: bool = True
     sglang_python: str | None = None  # null = <repo>/.venv-engines/bin/python
     vllm_python: str | None = None  # null = <repo>/.venv-engines/bin/python
 

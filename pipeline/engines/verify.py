@@ -14,6 +14,7 @@ Two layers of checks, both run by `stage=export` before an export is published a
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -24,9 +25,10 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from pipeline.errors import UserError
+from pipeline.formats import engine_memo, vocab_map
 from pipeline.formats import export_layouts as lay
 from pipeline.formats import sglang_params as sgl_params
-from pipeline.formats import vocab_map
+from pipeline.formats.file_digest import sha256
 from pipeline.formats.run_dir import RunDir
 from pipeline.models import targets
 
@@ -81,19 +83,62 @@ def configured_python(cfg, engine: str) -> str | None:
     return cfg.export[f"{engine}_python"]
 
 
+def configured_memo(cfg) -> str | None:
+    """The cache_dir that remembers engine reports (export.verify_memo), or None."""
+    return cfg.cache_dir if cfg.export.verify_memo else None
+
+
+def report_key(folder: Path, engine: str, target_dir: str, python: str, algorithm: str) -> str:
+    """The sha256 of everything an engine report depends on: the export's files as the engine reads them
+    (all but our manifest and serve.sh), the target's JSON files (its config; its weights are never loaded:
+    the target is built on the meta device), the engines' Python and the packages installed beside it
+    (name and version of each), the checking code (pipeline/**/*.py) and the algorithm asked about."""
+    h = hashlib.sha256(json.dumps([engine, algorithm, str(Path(python).absolute())]).encode())
+    for p in sorted(Path(folder).iterdir()):
+        if p.is_file() and p.name not in (lay.MANIFEST, "serve.sh"):
+            h.update(f"export/{p.name}={sha256(p)}".encode())
+    for p in sorted(Path(target_dir).glob("*.json")):
+        h.update(f"target/{p.name}={sha256(p)}".encode())
+    venv = Path(python).absolute().parent.parent
+    h.update(" ".join(sorted(d.name for d in venv.glob("lib/python*/site-packages/*.dist-info"))).encode())
+    for p in sorted((ROOT / "pipeline").rglob("*.py")):
+        h.update(p.read_bytes())
+    return h.hexdigest()
+
+
 def engine_report(
-    folder: Path, engine: str, target_dir: str, python: str | None = None, algorithm: str = "EAGLE3"
+    folder: Path,
+    engine: str,
+    target_dir: str,
+    python: str | None = None,
+    algorithm: str = "EAGLE3",
+    memo: str | None = None,
 ) -> dict:
     """Run pipeline/engines/<engine>_verify.py in the engine's virtualenv; its JSON report. For SGLang,
-    `algorithm` is the --speculative-algorithm its server-side resolution is asked about."""
-    cmd = [engine_python(engine, python), "-m", ENGINE_MODULE[engine], str(folder), str(target_dir)]
+    `algorithm` is the --speculative-algorithm its server-side resolution is asked about. `memo`: a cache_dir
+    whose engine_reports/ remember reports by report_key (the same bytes in the same engine are loaded once;
+    the log says when a report is remembered, and of when)."""
+    python = engine_python(engine, python)
+    key = report_key(folder, engine, target_dir, python, algorithm) if memo else None
+    if key and (seen := engine_memo.read(memo, key)):
+        log.info(
+            "%s: the engine's report of %s on the same bytes (%s; export.verify_memo=false loads it again)",
+            engine,
+            seen["made_at"],
+            engine_memo.path(memo, key).name[:12],
+        )
+        return seen["report"]
+    cmd = [python, "-m", ENGINE_MODULE[engine], str(folder), str(target_dir)]
     if engine == "sglang":
         cmd.append(algorithm)
     env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu", "HF_HUB_OFFLINE": "1"}  # local folders only, no hub
     r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900, env=env)
     if r.returncode != 0:
         raise RuntimeError(f"{engine} verification crashed:\n{r.stderr[-3000:]}")
-    return json.loads(r.stdout.strip().splitlines()[-1])
+    report = json.loads(r.stdout.strip().splitlines()[-1])
+    if key:
+        engine_memo.remember(memo, key, report)
+    return report
 
 
 def engine_problems(
@@ -139,13 +184,14 @@ def verify_export(
     in_engine: bool = True,
     python: str | None = None,
     architecture: str = "",
+    memo: str | None = None,
 ) -> tuple[list[str], dict | None]:
     """(problems, engine report or None). Engine-free checks first; the engine only if they pass.
-    `architecture` = the target's class (config.json `architectures[0]`)."""
+    `architecture` = the target's class (config.json `architectures[0]`); `memo`: see engine_report."""
     problems = check_export(folder, engine, facts, architecture)
     if problems or not in_engine:
         return problems, None
-    report = engine_report(folder, engine, target_dir, python)
+    report = engine_report(folder, engine, target_dir, python, memo=memo)
     ours = facts["aux_layer_ids"]
     return engine_problems(report, lay.engine_layer_ids(engine, ours, architecture), ours), report
 

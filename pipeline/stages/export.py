@@ -214,6 +214,7 @@ def _publish(cfg, engine: str, tensors: dict, provenance: dict, draft_cfg: dict,
         cfg.export.verify_in_engine,
         verify.configured_python(cfg, engine),
         arch,
+        verify.configured_memo(cfg),
     )
     if report:
         manifest["verified_by"] = {k: report[k] for k in ("engine", "engine_version", "class")}

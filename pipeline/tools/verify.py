@@ -10,6 +10,7 @@ from pathlib import Path
 
 from pipeline.engines.verify import (
     ENGINE_MODULE,
+    configured_memo,
     configured_python,
     export_architecture,
     read_export,
@@ -40,6 +41,7 @@ def run(cfg) -> Path:
             True,
             configured_python(cfg, engine),
             export_architecture(manifest),
+            configured_memo(cfg),
         )
         for p in problems:
             print(f"verify: {engine}: {p}")

@@ -1,13 +1,23 @@
 """Exports load completely by construction, and every failure injected into a good export is caught."""
 
 import json
+import logging
 import re
+import shutil
+import subprocess
 
 import pytest
 from mutations import absolute_d2t, nan_norm, prefix_keys, single_layer_fc, zero_fc
 from safetensors.torch import load_file
 
-from pipeline.engines.verify import check_export, engine_problems, engine_report
+from pipeline.engines.verify import (
+    ENGINES_PYTHON,
+    check_export,
+    engine_problems,
+    engine_report,
+    report_key,
+)
+from pipeline.formats import engine_memo
 
 pytestmark = pytest.mark.slow
 
@@ -92,6 +102,44 @@ def test_engine_own_class_loads_the_export_completely(exported, engine):
     assert "lm_head.weight" in report["consumed"] and q in report["consumed"]
     assert report["parameters"]["model.fc.weight"] == [64, 192]
     assert engine_problems(report, report["aux_layer_ids_read"]) == []
+
+
+def test_the_engine_loads_the_same_export_bytes_once_and_any_other_bytes_again(
+    exported, cache_dir, tmp_path, monkeypatch, caplog
+):
+    """export remembered the engine's report (cache_dir/engine_reports/); a copy of the export elsewhere is
+    answered from it without starting the engine; a byte of a weight, or the target's config, changed: the
+    engine is started again. Our manifest and serve.sh are not read by the engine and do not count."""
+    run_dir, facts = exported
+    target, python = facts["target_path"], str(ENGINES_PYTHON)
+    copy = shutil.copytree(run_dir / "export" / "sglang", tmp_path / "sglang")
+    key = report_key(copy, "sglang", target, python, "EAGLE3")
+    assert engine_memo.read(cache_dir, key) is not None  # written by the export stage
+
+    def no_engine(cmd, *a, **kw):
+        raise AssertionError(f"the engine was started: {cmd}")
+
+    monkeypatch.setattr(subprocess, "run", no_engine)
+    with caplog.at_level(logging.INFO, logger="pipeline.engines.verify"):
+        report = engine_report(copy, "sglang", target, python, memo=cache_dir)
+    assert report["class"] == "LlamaForCausalLMEagle3" and report["dropped"] == []
+    assert "the engine's report of 20" in caplog.text and "on the same bytes" in caplog.text
+
+    (copy / "serve.sh").write_text("#!/bin/sh\n")
+    (copy / "export_manifest.json").write_text("{}")
+    assert report_key(copy, "sglang", target, python, "EAGLE3") == key
+    assert report_key(copy, "sglang", target, python, "EAGLE") != key  # another algorithm asked about
+    weights = bytearray((copy / "model.safetensors").read_bytes())
+    weights[-1] ^= 1  # the last byte of the last tensor
+    (copy / "model.safetensors").write_bytes(bytes(weights))
+    assert report_key(copy, "sglang", target, python, "EAGLE3") != key
+    with pytest.raises(AssertionError, match="the engine was started"):
+        engine_report(copy, "sglang", target, python, memo=cache_dir)
+    other = shutil.copytree(target, tmp_path / "target", ignore=shutil.ignore_patterns("*.safetensors"))
+    config = json.loads((other / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps({**config, "rms_norm_eps": 1e-5 + config["rms_norm_eps"]}))
+    copy2 = shutil.copytree(run_dir / "export" / "sglang", tmp_path / "sglang2")
+    assert report_key(copy2, "sglang", str(other), python, "EAGLE3") != key
 
 
 @pytest.mark.parametrize(
