@@ -206,15 +206,9 @@ def _publish(cfg, engine: str, tensors: dict, provenance: dict, draft_cfg: dict,
     )
     lay.record_files(tmp, manifest)  # the sha256 is_complete and evaluate check before they trust it
     (tmp / lay.MANIFEST).write_text(json.dumps(manifest, indent=1))
+    python, memo = verify.configured_python(cfg, engine), verify.configured_memo(cfg)
     problems, report = verify.verify_export(
-        tmp,
-        engine,
-        store.facts,
-        store.facts["target_path"],
-        cfg.export.verify_in_engine,
-        verify.configured_python(cfg, engine),
-        arch,
-        verify.configured_memo(cfg),
+        tmp, engine, store.facts, store.facts["target_path"], cfg.export.verify_in_engine, python, arch, memo
     )
     if report:
         manifest["verified_by"] = {k: report[k] for k in ("engine", "engine_version", "class")}
