@@ -24,16 +24,20 @@ FILE_SECONDS = Path(__file__).with_name("file_seconds.json")
 _spent: dict[str, float] = defaultdict(float)
 
 
+def _file(nodeid: str) -> str:
+    return nodeid.split("::")[0]
+
+
 def pytest_collection_modifyitems(config, items):
     seconds = json.loads(FILE_SECONDS.read_text())["seconds"] if FILE_SECONDS.is_file() else {}
     first = {}
     for i, item in enumerate(items):
-        first.setdefault(item.nodeid.split("::")[0], i)
-    items.sort(key=lambda it: (-seconds.get(it.nodeid.split("::")[0], 0.0), first[it.nodeid.split("::")[0]]))
+        first.setdefault(_file(item.nodeid), i)
+    items.sort(key=lambda it: (-seconds.get(_file(it.nodeid), 0.0), first[_file(it.nodeid)]))
 
 
 def pytest_runtest_logreport(report):
-    _spent[report.nodeid.split("::")[0]] += report.duration
+    _spent[_file(report.nodeid)] += report.duration
 
 
 def pytest_sessionfinish(session, exitstatus):

@@ -125,7 +125,7 @@ def engine_report(
             "%s: the engine's report of %s on the same bytes (%s; export.verify_memo=false loads it again)",
             engine,
             seen["made_at"],
-            engine_memo.path(memo, key).name[:12],
+            key[:12],
         )
         return seen["report"]
     cmd = [python, "-m", ENGINE_MODULE[engine], str(folder), str(target_dir)]
