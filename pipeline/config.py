@@ -118,6 +118,11 @@ class PrepareConfig:
     regenerate_server: RegenerateServerConfig = field(default_factory=RegenerateServerConfig)
     max_new_tokens: int = 256
     temperature: float = 0.0
+    # Kept answers (docs/answers.md): files of the target's temperature-0 answers reused before any is
+    # regenerated, each checked against this run's target, tokenizer, template and decoding settings (a file
+    # that does not match is named in the log, never read). null = every data/answers/*.jsonl.xz of this
+    # repository; [] = none
+    answers: list[str] | None = None
     gen_batch_size: int = 16
     # conversations in flight at the endpoint, each advancing through its own turns (a server batches them)
     endpoint_concurrency: int = 256

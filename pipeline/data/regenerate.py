@@ -20,6 +20,7 @@ import torch
 
 from pipeline.data.endpoint_client import EndpointClient, Progress, over_endpoint, prompt_too_long, turn_key
 from pipeline.data.journal import Journal
+from pipeline.errors import UserError
 from pipeline.fingerprint import digest
 from pipeline.models import targets
 
@@ -68,17 +69,145 @@ def open_journal(cfg, folder: Path, endpoint: str | None) -> Journal:
     return j
 
 
+def answer_key(cfg, folder: Path, tok) -> dict:
+    """What determines an answer (formats/answers.py KEY_FIELDS): matched before any kept answer is reused."""
+    return {
+        "target": targets.weights_fingerprint(folder),
+        "tokenizer": digest([sorted(tok.get_vocab().items()), tok.all_special_tokens]),
+        "chat_template": targets.chat_template_hash(tok),
+        "temperature": float(cfg.prepare.temperature),
+        "max_new_tokens": int(cfg.prepare.max_new_tokens),
+    }
+
+
+def kept_answer_files(cfg) -> list[Path]:
+    """prepare.answers, or (null) every data/answers/*.jsonl.xz of this repository."""
+    if cfg.prepare.answers is not None:
+        return [Path(x).expanduser() for x in cfg.prepare.answers]
+    return sorted((Path(__file__).resolve().parents[2] / "data" / "answers").glob("*.jsonl.xz"))
+
+
+def _usable(have: dict, want: dict) -> str | None:
+    """Why a kept file cannot serve this run (None: it can; max_new_tokens is settled per answer)."""
+    if want["temperature"] != 0:
+        return f"prepare.temperature={want['temperature']} samples: only temperature-0 answers are reused"
+    for k in ("target", "tokenizer", "chat_template", "temperature"):
+        if have.get(k) != want[k]:
+            return f"another {k} ({have.get(k)} here, {want[k]} in this run)"
+    return None
+
+
+def reuse_answers(cfg, folder: Path, tok, convs: list[dict], journal: Journal) -> dict:
+    """Commit to the journal every turn a kept answer serves, before anything is asked (docs/answers.md).
+    A greedy answer of n tokens kept with budget M serves budget N when n < M (it ended by itself) and
+    n <= N, or when n > N (its first N tokens, if its text re-tokenizes to the n tokens it was generated as).
+    Returns the counts: used, and each reason a turn was left to regenerate."""
+    from pipeline.formats import answers
+
+    counts = {"files": [], "used": 0, "cut_to_budget": 0, "not_kept": 0, "longer_budget": 0, "retokenizes": 0}
+    files = kept_answer_files(cfg)
+    if not files:
+        return counts
+    want = answer_key(cfg, folder, tok)
+    usable = []
+    for path in files:
+        if not path.is_file():
+            raise UserError(f"prepare.answers: {path} does not exist")
+        kept = answers.read(path)
+        why = _usable(kept.key, want)
+        counts["files"].append({"path": str(path), "answers": len(kept.by_prompt), "refused": why})
+        if why:
+            log.warning("prepare: kept answers %s not used: %s", path, why)
+        else:
+            usable.append(kept)
+    if not usable:
+        return counts
+    N = want["max_new_tokens"]
+    for c in convs:
+        for i, m in enumerate(c["messages"]):
+            if m["role"] != "assistant":
+                continue
+            k = turn_key(c, i)
+            if journal.get(k) is not None:
+                continue
+            prompt = c["messages"][:i]
+            found = [(kept.key["max_new_tokens"], rec) for kept in usable if (rec := kept.get(prompt))]
+            if not found:
+                counts["not_kept"] += 1
+                break  # a later turn's prompt holds this turn's answer: it is regenerated too
+            M, rec = found[0]
+            text, n = rec["a"], rec["n"]
+            if n > N:
+                ids = tok(text, add_special_tokens=False)["input_ids"]
+                if len(ids) != n:
+                    counts["retokenizes"] += 1
+                    break
+                text, n = tok.decode(ids[:N]), N
+                counts["cut_to_budget"] += 1
+            elif n >= M and N > M:  # cut at its own budget: what follows is unknown
+                counts["longer_budget"] += 1
+                break
+            journal.commit(k, text, n)
+            c["messages"][i] = {"role": "assistant", "content": text}
+            counts["used"] += 1
+    log.info(
+        "prepare: %d turns answered from kept answers (%d cut to max_new_tokens=%d); regenerated: %d not "
+        "kept, %d cut shorter than this budget, %d whose text does not re-tokenize to its length",
+        counts["used"],
+        counts["cut_to_budget"],
+        N,
+        counts["not_kept"],
+        counts["longer_budget"],
+        counts["retokenizes"],
+    )
+    return counts
+
+
+def answers_path(cfg) -> Path:
+    return journal_folder(cfg) / "answers.jsonl.xz"
+
+
+def keep_answers(
+    cfg, folder: Path, tok, convs: list[dict], journal: Journal, endpoint: str | None
+) -> Path | None:
+    """Every regenerated turn as (prompt, answer, tokens) in run_dir/prepared.partial/answers.jsonl.xz, the
+    file `data/answers/` keeps (docs/answers.md)."""
+    from pipeline.formats import answers
+
+    records = []
+    for c in convs:
+        for i, m in enumerate(c["messages"]):
+            if m["role"] == "assistant" and (rec := journal.get(turn_key(c, i))) is not None:
+                records.append((c["messages"][:i], rec["text"], rec["tokens"]))
+    how = settings(cfg, folder, endpoint)
+    produced_by = {k: v for k, v in how.items() if k not in ("max_new_tokens", "temperature")}
+    path = answers_path(cfg)
+    try:
+        n = answers.write(path, answer_key(cfg, folder, tok), produced_by, records)
+    except answers.NoRoom as e:  # the journal beside it still holds every answer: nothing is lost
+        log.warning("regenerate: answers not kept (%s); the journal %s holds them", e, journal.path)
+        return None
+    log.info(
+        "regenerate: %d answers kept in %s (docs/answers.md: how to keep them in data/answers/)", n, path
+    )
+    return path
+
+
 def regenerate(cfg, folder: Path, tok, convs: list[dict], endpoint: str | None = None) -> dict:
     """Replace every assistant turn of `convs` in place (with on_failed_request=drop, the failed conversations
     are removed from the list); returns stats.json's `regenerate` block."""
     p = cfg.prepare
     endpoint = endpoint or p.regenerate_endpoint
     with open_journal(cfg, folder, endpoint) as journal:
+        kept = reuse_answers(cfg, folder, tok, convs, journal)
         if endpoint:
             client = EndpointClient(p, endpoint, p.regenerate_model or cfg.target.name, tok)
             stats = over_endpoint(cfg, client, convs, journal)
         else:
             stats = _locally(cfg, folder, tok, convs, journal)
+        kept_path = keep_answers(cfg, folder, tok, convs, journal, endpoint)
+        stats["answers_file"] = str(kept_path) if kept_path else None
+    stats["kept_answers"] = kept
     stats |= {"max_new_tokens": p.max_new_tokens, "temperature": p.temperature, "journal": str(journal.path)}
     log.info(
         "regenerate (%s): %d assistant turns (%d from the journal), %d completion tokens in %.1f s "

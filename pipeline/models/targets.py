@@ -320,7 +320,7 @@ def architecture(folder: Path) -> str:
     return archs[0]
 
 
-def fingerprint(folder: Path) -> str:
+def fingerprint(folder: Path, weights_only: bool = False) -> str:
     """Content fingerprint: config/tokenizer files in full, weight files by name, size, head and tail.
 
     Reading the head and tail (1 MiB each) of every weight file keeps this cheap for TB-sized targets
@@ -330,8 +330,11 @@ def fingerprint(folder: Path) -> str:
     for p in sorted(Path(folder).iterdir()):
         if p.name == MARKER or not p.is_file():
             continue
+        text = p.suffix in (".json", ".jinja", ".txt", ".model", ".py")
+        if text and weights_only:
+            continue
         h.update(p.name.encode())
-        if p.suffix in (".json", ".jinja", ".txt", ".model", ".py"):
+        if text:
             h.update(p.read_bytes())
         else:
             size = p.stat().st_size
@@ -341,6 +344,11 @@ def fingerprint(folder: Path) -> str:
                 f.seek(max(0, size - (1 << 20)))
                 h.update(f.read(1 << 20))
     return h.hexdigest()[:16]
+
+
+def weights_fingerprint(folder: Path) -> str:
+    """The weights alone (a converted target matches on two machines whatever config.json's version says)."""
+    return fingerprint(folder, weights_only=True)
 
 
 def load_config(folder: Path, target):

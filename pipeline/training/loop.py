@@ -21,6 +21,7 @@ from pipeline.data.features_dataset import (
 )
 from pipeline.errors import UserError
 from pipeline.models import fsdp
+from pipeline.training import positions
 from pipeline.training.checkpoints import BEST_TAU, record, save
 from pipeline.training.preemption import Preemption
 from pipeline.training.session import Plan, Progress, Session
@@ -231,14 +232,28 @@ def validate(s: Session, cfg, packs: list) -> dict:
             ).items()
         }
         with accelerator.autocast():  # a prepared (DDP) model autocasts itself; an FSDP one does not
-            _, _, m = model(**_cast(batch, accelerator), **fwd)
+            drafted, _, m = model(**_cast(batch, accelerator), **fwd)
+        m |= positions.token_hits(
+            drafted[0][0],
+            batch["input_ids"][0],
+            batch["loss_mask"][0],
+            batch["document_ids"][0],
+            s.d2t.to(accelerator.device),
+            cfg.eval.max_new_tokens,
+        )
         for k, v in m.items():
             sums[k] += float(v)
     keys = sorted(sums)
     total = accelerator.reduce(
         torch.tensor([sums[k] for k in keys], device=accelerator.device), reduction="sum"
     )
-    return summarise(dict(zip(keys, total.tolist())), cfg.train.ttt_steps)
+    summed = dict(zip(keys, total.tolist()))
+    out = summarise(summed, cfg.train.ttt_steps)
+    for name in ("token_acc_0", "token_acc_0_eval_positions"):
+        n = summed.get(f"{name}_total")
+        out[name] = summed[f"{name}_sum"] / n if n else float("nan")
+    out["eval_positions"] = cfg.eval.max_new_tokens
+    return out
 
 
 def log_metrics(accelerator, path: Path, rec: dict, step: int) -> None:

@@ -45,6 +45,7 @@ class Session:
     val_idx: list = field(default_factory=list)  # held-out samples: tau's prompts come from them
     probe: object = None  # the tau probe (rank 0, made at the first tau step)
     best: dict = field(default_factory=dict)  # train.select=tau: {"step", "tau", "k"} of the best so far
+    d2t: object = None  # draft id -> offset to its target id: validation maps proposals as the engines do
 
 
 @dataclass

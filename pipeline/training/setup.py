@@ -226,6 +226,7 @@ def setup(cfg) -> tuple[Session, Plan]:
         upstream,
         sharded,
         list(plan.val_idx),
+        d2t=d2t if d2t is not None else torch.zeros(target_hf.vocab_size, dtype=torch.long),
     ), plan
 
 
