@@ -233,6 +233,15 @@ def validate(s: Session, cfg, packs: list) -> dict:
         }
         with accelerator.autocast():  # a prepared (DDP) model autocasts itself; an FSDP one does not
             drafted, _, m = model(**_cast(batch, accelerator), **fwd)
+            # speculators' own step-0 accuracy, its loss mask cut to evaluate's positions (one TTT step)
+            at_eval = positions.eval_positions(
+                batch["loss_mask"][0], batch["document_ids"][0], cfg.eval.max_new_tokens
+            )
+            _, _, m0 = model(
+                **_cast(batch | {"loss_mask": at_eval[None]}, accelerator), **fwd | {"ttt_steps": 1}
+            )
+        m["evalpos_full_acc_0_sum"] = m0["full_acc_0_sum"]
+        m["evalpos_full_acc_0_total"] = m0["full_acc_0_total"]
         m |= positions.token_hits(
             drafted[0][0],
             batch["input_ids"][0],
@@ -249,10 +258,10 @@ def validate(s: Session, cfg, packs: list) -> dict:
     )
     summed = dict(zip(keys, total.tolist()))
     out = summarise(summed, cfg.train.ttt_steps)
-    for name in ("token_acc_0", "token_acc_0_eval_positions"):
+    for name in ("evalpos_full_acc_0", "token_acc_0", "evalpos_token_acc_0"):
         n = summed.get(f"{name}_total")
         out[name] = summed[f"{name}_sum"] / n if n else float("nan")
-    out["eval_positions"] = cfg.eval.max_new_tokens
+    out["evalpos_tokens"] = cfg.eval.max_new_tokens
     return out
 
 
@@ -264,7 +273,9 @@ def log_metrics(accelerator, path: Path, rec: dict, step: int) -> None:
             log.info(
                 "step %d val: %s",
                 step,
-                " ".join(f"{k}={v:.4f}" for k, v in rec.items() if k.startswith(("loss", "full_acc"))),
+                " ".join(
+                    f"{k}={v:.4f}" for k, v in rec.items() if k.startswith(("loss", "full_acc", "token_acc"))
+                ),
             )
         if rec["split"] == "tau":
             log.info(

@@ -6,12 +6,13 @@ teacher-forced `acc_0` compares the draft's proposal, mapped to a target id (d2t
 wrote next, over the first eval.max_new_tokens tokens of each answer. These two figures are what the user
 compares, so validation reports, beside full_acc_0:
 
-- `token_acc_0`: the proposal (target id) equals the next token of the sample, wherever both the input and
-  the predicted token are the answer's (never past its end-of-turn token, where serving stops);
-- `token_acc_0_eval_positions`: the same, only where the next token is one of the first
-  eval.max_new_tokens - 1 tokens after an answer's first (evaluate's teacher-forced positions: its prompt
-  ends with the generation prompt, the target writes the answer's first token, the draft is scored from
-  the second on).
+- `evalpos_full_acc_0`: speculators' own full_acc_0, only at evaluate's positions: where the next
+  token is one of the first eval.max_new_tokens - 1 tokens after an answer's first (its prompt ends with the
+  generation prompt, the target writes the answer's first token, the draft is scored from the second on);
+- `token_acc_0` and `evalpos_token_acc_0`: the proposal through d2t (a target id) equals the next
+  token of the sample, wherever both the input and the predicted token are the answer's (never past its
+  end-of-turn token, where serving stops). On the target's own temperature-0 answers (prepare.regenerate)
+  that token is the target's greedy choice: the question serving asks. On other data it is the data's.
 
 Collate's alignment (pipeline/data/features_dataset.py): position t holds input token x[t+1] with mask
 l[t+1], and the draft's step-0 proposal there predicts x[t+2] = input_ids[t+1] of the same document.
@@ -36,6 +37,21 @@ def answer_index(loss_mask: torch.Tensor, document_ids: torch.Tensor) -> torch.T
     return torch.where(m, pos - start_at, torch.full_like(pos, -1))
 
 
+def scored(loss_mask: torch.Tensor, document_ids: torch.Tensor) -> torch.Tensor:
+    """[T] positions whose input token and predicted token (the next one, same document) are both the
+    answer's: never the prediction past its end-of-turn token, where serving stops."""
+    out = torch.zeros_like(loss_mask, dtype=torch.bool)
+    out[:-1] = loss_mask[:-1].bool() & loss_mask[1:].bool() & (document_ids[1:] == document_ids[:-1])
+    return out
+
+
+def eval_positions(loss_mask: torch.Tensor, document_ids: torch.Tensor, eval_tokens: int) -> torch.Tensor:
+    """[T] the positions evaluate's teacher-forced acc_0 scores: the input is answer token j <= eval_tokens-2
+    (it predicts token j+1 of the first eval_tokens)."""
+    j = answer_index(loss_mask, document_ids)
+    return scored(loss_mask, document_ids) & (j >= 0) & (j <= eval_tokens - 2)
+
+
 def token_hits(
     proposal: torch.Tensor,
     input_ids: torch.Tensor,
@@ -44,24 +60,16 @@ def token_hits(
     d2t: torch.Tensor,
     eval_tokens: int,
 ) -> dict[str, torch.Tensor]:
-    """Sums and totals of token_acc_0 (all supervised positions) and token_acc_0_eval_positions for one [T]
+    """Sums and totals of token_acc_0 (all scored positions) and evalpos_token_acc_0 for one [T]
     row: `proposal` is the step-0 argmax in draft ids, mapped to target ids as the engines map it
     (target = draft + d2t[draft])."""
-    target_ids = proposal + d2t[proposal]
-    nxt_same_doc = torch.zeros_like(loss_mask, dtype=torch.bool)
-    nxt_same_doc[:-1] = document_ids[1:] == document_ids[:-1]
     nxt = torch.zeros_like(input_ids)
     nxt[:-1] = input_ids[1:]
-    nxt_supervised = torch.zeros_like(nxt_same_doc)
-    nxt_supervised[:-1] = loss_mask[1:].bool()
-    # the predicted token is the answer's own (never the one after its end-of-turn: serving stops there)
-    scored = loss_mask.bool() & nxt_same_doc & nxt_supervised
-    hit = (target_ids == nxt) & scored
-    j = answer_index(loss_mask, document_ids)
-    at_eval = scored & (j >= 0) & (j <= eval_tokens - 2)  # predicts answer token j+1 <= eval_tokens-1
+    hit = (proposal + d2t[proposal]) == nxt
+    on, at_eval = scored(loss_mask, document_ids), eval_positions(loss_mask, document_ids, eval_tokens)
     return {
-        "token_acc_0_sum": hit.sum(),
-        "token_acc_0_total": scored.sum(),
-        "token_acc_0_eval_positions_sum": (hit & at_eval).sum(),
-        "token_acc_0_eval_positions_total": at_eval.sum(),
+        "token_acc_0_sum": (hit & on).sum(),
+        "token_acc_0_total": on.sum(),
+        "evalpos_token_acc_0_sum": (hit & at_eval).sum(),
+        "evalpos_token_acc_0_total": at_eval.sum(),
     }

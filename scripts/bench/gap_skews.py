@@ -21,6 +21,7 @@ import os
 import platform
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -74,19 +75,14 @@ def stats(rows: dict, name: str, a, b) -> None:
     r["n"], r["equal"] = r["n"] + d.numel(), r["equal"] + int((d == 0).sum())
 
 
-def finish(rows: dict) -> dict:
+def finish(rows: dict) -> dict:  # max |d|, mean |d|, mean |d| / mean |x|, fraction bitwise equal
+    f = lambda r: [r["max_abs"], r["sum_abs"] / r["n"], r["sum_abs"] / r["sum_x"], r["equal"] / r["n"]]  # noqa: E731
     return {
-        k: {
-            "max_abs": r["max_abs"],
-            "mean_abs": r["sum_abs"] / r["n"],
-            "rel_mean": r["sum_abs"] / r["sum_x"],
-            "equal_fraction": r["equal"] / r["n"],
-        }
-        for k, r in rows.items()
+        k: dict(zip(("max_abs", "mean_abs", "rel_mean", "equal_fraction"), f(r))) for k, r in rows.items()
     }
 
 
-def cause_c(cfg, run: Path, store, samples: list[int], val: set, eos: int) -> dict:
+def cause_c(cfg, run: Path, store, tok, samples: list[int], val: set) -> dict:
     import torch
 
     from pipeline.capture.hf import Capture
@@ -104,7 +100,7 @@ def cause_c(cfg, run: Path, store, samples: list[int], val: set, eos: int) -> di
         t, conf = lay.read_sglang(run / "export/sglang")
         dr = ExportedDraft(t, conf, m32.get_input_embeddings().weight.detach(), "cpu")
         acc["export_aux_layer_ids"] = conf.get("eagle_config", {}).get("eagle_aux_hidden_state_layer_ids")
-    rows, ident = {}, {}
+    rows, ident, eot_next = {}, {}, {}
     with torch.no_grad():
         for i in samples:
             s = store.sample(i)
@@ -112,7 +108,7 @@ def cause_c(cfg, run: Path, store, samples: list[int], val: set, eos: int) -> di
             out = m32(input_ids=x, output_hidden_states=True)
             (aux_e, last_e), hs = (t[0] for t in c32.states()), out.hidden_states
             m16(input_ids=x)
-            aux_b = c16.states()[0][0]
+            aux_b, last_b = (t[0] for t in c16.states())
             for j, k in enumerate(ids_aux):
                 cut = slice(j * H, (j + 1) * H)
                 stats(rows, f"store_vs_eval/aux{k}", s["aux_hidden"][:, cut], aux_e[:, cut])
@@ -120,33 +116,32 @@ def cause_c(cfg, run: Path, store, samples: list[int], val: set, eos: int) -> di
                 stats(ident, f"hook{k}_vs_hf_hidden_states[{k + 1}]", aux_e[:, cut], hs[k + 1][0].bfloat16())
                 stats(ident, f"hook{k}_vs_hf_hidden_states[{k}]", aux_e[:, cut], hs[k][0].bfloat16())
             stats(rows, "store_vs_eval/last_prenorm", s["last_hidden"], last_e)
+            stats(rows, "store_vs_bf16target/last_prenorm", s["last_hidden"], last_b)
             stats(ident, "store_last_vs_hf_hidden_states[-1](post-norm)", s["last_hidden"], hs[-1][0])
             normed = m32.model.norm(s["last_hidden"].float()[None])[0]
             stats(ident, "norm(store_last)_vs_hf_hidden_states[-1]", normed, hs[-1][0])
             if dr is None or i not in val:
                 continue
             n, tgt = x.shape[1], out.logits[0, 1:].argmax(-1)  # position t predicts the target's id t+2
-            scored, after = s["loss_mask"][1:].bool(), x[0, 1:] == eos
-            for name, aux in (("store_aux", s["aux_hidden"]), ("eval_aux", aux_e)):
+            scored, after = s["loss_mask"][1:].bool(), x[0, 1:] == tok.eos_token_id
+            for t in tgt[scored & after].tolist():
+                eot_next[t] = eot_next.get(t, 0) + 1
+            for name, aux in (("store_aux", s["aux_hidden"]), ("eval_aux", aux_e), ("bf16_aux", aux_b)):
                 hit = dr.next_target_ids(dr.layer(x[0, 1:], dr.fuse(aux[:-1]), torch.arange(1, n))) == tgt
-                parts = (
-                    ("scored", scored),
-                    ("not_after_eot", scored & ~after),
-                    ("after_eot", scored & after),
-                )
-                for part, sel in parts:
+                for part, sel in {
+                    "scored": scored,
+                    "not_after_eot": scored & ~after,
+                    "after_eot": scored & after,
+                }.items():
                     r = acc.setdefault(f"{name}/{part}", {"hits": 0, "positions": 0})
                     r["hits"] += int(hit[sel].sum())
                     r["positions"] += int(sel.sum())
                     r["acc_0"] = r["hits"] / max(r["positions"], 1)
+    acc["target_argmax_after_eot"] = {repr(tok.decode([t])): n for t, n in eot_next.items()}
     hooks = {"aux_ids": c32.aux_ids, "last_id": c32.last_id}
     facts = {k: store.facts.get(k) for k in ("compute_dtype", "logical_dtype", "last_hidden")}
     out = {"store_aux_layer_ids": ids_aux, "capture_hooks": hooks, "store_facts": facts, "samples": samples}
-    return out | {
-        "diffs": finish(rows),
-        "layer_identity": finish(ident),
-        "draft_acc_0_vs_target_argmax_val": acc,
-    }
+    return out | {"diffs": finish(rows), "layer_identity": finish(ident), "draft_acc_0_val": acc}
 
 
 def first_diff(tok, a: list[int], b: list[int]):
@@ -172,7 +167,6 @@ def cause_d(cfg, run: Path, store, tok, order: list[int], val: set, want: int) -
         ids, mask = t["input_ids"].tolist(), t["loss_mask"].tolist()
         starts = [p for p in range(1, len(ids)) if mask[p] and not mask[p - 1]]
         for g in ("val", "all") if sid in val else ("all",):  # shifted position t is scored iff l[t+1]
-            a = align[g]
             eot = sum(m and x == tok.eos_token_id for x, m in zip(ids[1:], mask[1:]))
             for key, v in zip(keys, (1, sum(mask[1:]), eot, len(starts))):
                 align[g][key] += v
@@ -185,12 +179,13 @@ def cause_d(cfg, run: Path, store, tok, order: list[int], val: set, want: int) -
             )
             it = {"sample": sid, "turn": k, "msgs": msgs[:a], "ours": ids[: starts[k]], "evaluate": list(h)}
             items.append(it | {"heldout_prefix_is_store_prefix": first if k == 0 else None})
-    job, res = run / "gap_skews_sglang_in.json", run / "gap_skews_sglang_out.json"
-    msgs = [it.pop("msgs") for it in items]
-    job.write_text(json.dumps({"folder": store.facts["target_path"], "messages": msgs}))
-    engines = str(REPO / ".venv-engines/bin/python")
-    subprocess.run([engines, __file__, "--sglang-worker", str(job), str(res)], check=True)
-    sg = json.loads(res.read_text())
+    with tempfile.TemporaryDirectory() as tmp:
+        job, res = Path(tmp) / "in.json", Path(tmp) / "out.json"
+        msgs = [it.pop("msgs") for it in items]
+        job.write_text(json.dumps({"folder": store.facts["target_path"], "messages": msgs}))
+        engines = str(REPO / ".venv-engines/bin/python")
+        subprocess.run([engines, __file__, "--sglang-worker", str(job), str(res)], check=True)
+        sg = json.loads(res.read_text())
     for it, s in zip(items, sg["ids"]):
         it["trained_vs_evaluate"] = first_diff(tok, it["ours"], it.pop("evaluate"))
         it["trained_vs_sglang"] = first_diff(tok, it["ours"], s)
@@ -201,14 +196,16 @@ def cause_d(cfg, run: Path, store, tok, order: list[int], val: set, want: int) -
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--run-dir", type=Path, required=True)
+    ap.add_argument("--run-dir", type=Path, help="a run dir with prepare + extract done (required)")
     ap.add_argument("--samples", type=int, default=6, help="store samples for (c), held-out first")
-    ap.add_argument("--prompts", type=int, default=20, help="prompts for (d), held-out first")
+    ap.add_argument("--prompts", type=int, default=60, help="prompts for (d), held-out first")
     ap.add_argument("--out", type=Path, default=REPO / "scripts/bench/results/gap_skews_cpu.json")
     ap.add_argument("--sglang-worker", nargs=2, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.sglang_worker:
         return sglang_worker(*args.sglang_worker)
+    if args.run_dir is None:
+        ap.error("--run-dir is required")
     sys.path.insert(0, str(REPO))
     from omegaconf import OmegaConf
 
@@ -229,33 +226,33 @@ def main() -> None:
         val = split(n, cfg.train.val_fraction, cfg.seed, prepared.heldout_samples(run))[1].tolist()
     sel, rep = selection_and_report(val)
     order = rep + sel + [i for i in range(len(store.sample_lengths())) if i not in set(val)]
-    git = ["git", "-C", str(REPO)]
+
+    def git(*a):
+        return subprocess.run(["git", "-C", str(REPO), *a], capture_output=True, text=True).stdout.strip()
+
     report = {
         "machine": {"host": platform.node(), "cpu": platform.processor(), "cores": os.cpu_count()},
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
-        "git_commit": subprocess.run(
-            [*git, "rev-parse", "HEAD"], capture_output=True, text=True
-        ).stdout.strip(),
-        "git_dirty": bool(
-            subprocess.run([*git, "status", "--porcelain"], capture_output=True, text=True).stdout
-        ),
+        "git_commit": git("rev-parse", "HEAD"),
+        "git_dirty_paths": git("status", "--porcelain").splitlines(),
         "command": " ".join(sys.argv),
         "run_dir": str(run),
         "val_samples": {"report_half": rep, "selection_half": sel},
         "training_val_full_acc_0": (facts.get("val_after") or {}).get("full_acc_0"),
         "d_prompt_ids": cause_d(cfg, run, store, tok, order, set(val), args.prompts),
-        "c_hidden_states": cause_c(cfg, run, store, order[: args.samples], set(val), tok.eos_token_id),
+        "c_hidden_states": cause_c(cfg, run, store, tok, order[: args.samples], set(val)),
     }
     c, d = report["c_hidden_states"], report["d_prompt_ids"]
     print(f"(c) samples {c['samples']}; columns: max|d|, mean|d|, mean|d|/mean|x|, fraction equal")
     for k, r in [*c["diffs"].items(), *c["layer_identity"].items()]:
         print(f"  {k:<50}" + "".join(f"{v:>11.4g}" for v in r.values()))
-    for k, r in c["draft_acc_0_vs_target_argmax_val"].items():
+    for k, r in c["draft_acc_0_val"].items():
         print(f"  draft on val, {k:<36} {r}")
     print(f"(d) SGLang renders with {d['sglang_rendering']}; scored positions {d['alignment']}")
     for it in d["prompts"]:
-        print(f"  sample {it['sample']:>3} turn {it['turn']} ({it['trained']['tokens']} tokens): vs evaluate "
-              f"{it['trained_vs_evaluate']}; vs SGLang {it['trained_vs_sglang']}")  # fmt: skip
+        head = f"  sample {it['sample']:>3} turn {it['turn']:>2} ({it['trained']['tokens']:>3} tokens)"
+        print(f"{head}: vs evaluate {it['trained_vs_evaluate']}; vs SGLang {it['trained_vs_sglang']}; "
+              f"heldout prefix = store prefix: {it['heldout_prefix_is_store_prefix']}")  # fmt: skip
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=1) + "\n")
     print(f"wrote {args.out}")

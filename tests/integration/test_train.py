@@ -224,7 +224,8 @@ def test_a_split_window_keeps_its_positions_and_scores_only_its_new_tokens(tiny_
     assert torch.equal(window["hidden_states"][0], whole["hidden_states"][0, 40 : 40 + n])
     assert torch.equal(window["input_ids"][0], whole["input_ids"][0, 40 : 40 + n])
     assert not window["loss_mask"][0, :10].any()
-    assert torch.equal(window["loss_mask"][0, 10:], s["loss_mask"][51 : 41 + n].bool())
+    want = s["loss_mask"][51 : 41 + n].bool() & s["loss_mask"][52 : 42 + n].bool()
+    assert torch.equal(window["loss_mask"][0, 10:], want)  # input and predicted token both the answer's
     with pytest.raises(ValueError, match="splits it"):
         collate(store, [i], 16)  # a bare index must fit: nothing is ever cut silently
 
@@ -308,3 +309,22 @@ def test_a_padded_pack_gives_the_loss_metrics_and_gradients_of_the_unpadded_one(
     assert g0.keys() == g1.keys() and g0
     for k in g0:
         assert torch.allclose(g0[k], g1[k], rtol=1e-4, atol=1e-7), k
+
+
+def test_no_position_is_scored_past_an_answers_end_token(tiny_run):
+    """Issue #47: shift_batch's mask l[t+1] scored the prediction of the token after each end-of-turn (a
+    trivial hit serving never asks for); only a position whose predicted token is the answer's is scored."""
+    _, run_dir = tiny_run
+    store = FeatureStore(run_dir / "features")
+    ends = 0
+    for i in range(len(store.sample_lengths())):
+        s, m = store.sample(i), int(store.sample_lengths()[i]) - 1
+        if m < 1 or m > 512:
+            continue
+        mask, lm = collate(store, [i], m)["loss_mask"][0], s["loss_mask"].bool()
+        predicted = torch.zeros(m, dtype=torch.bool)
+        predicted[: m - 1] = lm[2 : m + 1]
+        assert not (mask & ~predicted).any(), i  # never a position whose predicted token is not the answer's
+        assert torch.equal(mask, lm[1 : m + 1] & predicted)
+        ends += int((lm[1 : m + 1] & ~predicted).sum())  # end-of-turn inputs: left out
+    assert ends > 0

@@ -26,7 +26,7 @@ def test_hits_are_counted_at_evaluates_positions_against_the_next_token_through_
     # scored: inputs at 2..6 predicting 11..15 (5 positions), all hits
     assert (out["token_acc_0_sum"], out["token_acc_0_total"]) == (5, 5)
     # evaluate with 4 new tokens scores answer tokens 1..3: inputs j=0,1,2
-    assert (out["token_acc_0_eval_positions_sum"], out["token_acc_0_eval_positions_total"]) == (3, 3)
+    assert (out["evalpos_token_acc_0_sum"], out["evalpos_token_acc_0_total"]) == (3, 3)
     # without d2t the same proposals miss: the mapping is what makes them hits
     assert token_hits(proposal, ids, mask, doc, torch.zeros(20, dtype=torch.long), 4)["token_acc_0_sum"] == 0
 
