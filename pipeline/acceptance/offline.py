@@ -205,18 +205,21 @@ def measure(cfg, store, prompts: list[list[int]], out: Path) -> Path:
     tf = report["teacher_forced_acc_0"]
     tf.update(
         training_val_full_acc_0=_trained_val_acc0(cfg),
+        training_val_evalpos_token_acc_0=_trained_val_acc0(cfg, "evalpos_token_acc_0"),
         accept_first_position_k1=report["trained"]["1"]["accept_per_position"][0],
     )
     if tf["trained"] is not None:
         log.info(
             "eval trained draft: step-0 accuracy teacher-forced along these continuations %.3f (%s after a "
             "hit, "
-            "%s after a miss; training's last val full_acc_0 %s); first-position acceptance at k=1 %.3f "
+            "%s after a miss; training's last val at these positions %s, full_acc_0 %s); first-position "
+            "acceptance at k=1 %.3f "
             "(rounds "
             "start after the draft's misses)",
             tf["trained"],
             _fmt(tf.get("after_hit")),
             _fmt(tf.get("after_miss")),
+            _fmt(tf["training_val_evalpos_token_acc_0"]),
             _fmt(tf["training_val_full_acc_0"]),
             tf["accept_first_position_k1"],
         )
@@ -337,10 +340,11 @@ def _fmt(x) -> str:
     return "n/a" if x is None else f"{x:.3f}"
 
 
-def _trained_val_acc0(cfg):
-    """Training's last validation full_acc_0 (train/final/train_summary.json), or None where there is none."""
+def _trained_val_acc0(cfg, key: str = "full_acc_0"):
+    """Training's last validation figure (train/final/train_summary.json), or None where there is none:
+    full_acc_0, or evalpos_token_acc_0 (this one's question at these positions: training/positions.py)."""
     try:
-        return float(train_summary.read(RunDir.of(cfg).final)["val_after"]["full_acc_0"])
+        return float(train_summary.read(RunDir.of(cfg).final)["val_after"][key])
     except (OSError, KeyError, TypeError, ValueError):
         return None
 

@@ -97,7 +97,7 @@ def _usable(have: dict, want: dict) -> str | None:
     return None
 
 
-def reuse_answers(cfg, folder: Path, tok, convs: list[dict], journal: Journal) -> dict:
+def reuse_answers(cfg, folder: Path, tok, convs: list[dict], journal: Journal, quiet: bool = False) -> dict:
     """Commit to the journal every turn a kept answer serves, before anything is asked (docs/answers.md).
     A greedy answer of n tokens kept with budget M serves budget N when n < M (it ended by itself) and
     n <= N, or when n > N (its first N tokens, if its text re-tokenizes to the n tokens it was generated as).
@@ -116,7 +116,7 @@ def reuse_answers(cfg, folder: Path, tok, convs: list[dict], journal: Journal) -
         kept = answers.read(path)
         why = _usable(kept.key, want)
         counts["files"].append({"path": str(path), "answers": len(kept.by_prompt), "refused": why})
-        if why:
+        if why and not quiet:
             log.warning("prepare: kept answers %s not used: %s", path, why)
         else:
             usable.append(kept)
@@ -150,7 +150,7 @@ def reuse_answers(cfg, folder: Path, tok, convs: list[dict], journal: Journal) -
             journal.commit(k, text, n)
             c["messages"][i] = {"role": "assistant", "content": text}
             counts["used"] += 1
-    log.info(
+    (log.debug if quiet else log.info)(
         "prepare: %d turns answered from kept answers (%d cut to max_new_tokens=%d); regenerated: %d not "
         "kept, %d cut shorter than this budget, %d whose text does not re-tokenize to its length",
         counts["used"],
@@ -163,12 +163,30 @@ def reuse_answers(cfg, folder: Path, tok, convs: list[dict], journal: Journal) -
     return counts
 
 
+class _Dry:
+    """A journal that holds nothing and keeps nothing: reuse_answers on it only counts."""
+
+    def get(self, k):
+        return None
+
+    def commit(self, k, text, tokens):
+        pass
+
+
+def all_kept(cfg, folder: Path, tok, convs: list[dict]) -> bool:
+    """Whether kept answers serve every assistant turn of convs (then no server need be started)."""
+    import copy
+
+    turns = sum(m["role"] == "assistant" for c in convs for m in c["messages"])
+    return reuse_answers(cfg, folder, tok, copy.deepcopy(convs), _Dry(), quiet=True)["used"] == turns
+
+
 def answers_path(cfg) -> Path:
     return journal_folder(cfg) / "answers.jsonl.xz"
 
 
 def keep_answers(
-    cfg, folder: Path, tok, convs: list[dict], journal: Journal, endpoint: str | None
+    cfg, folder: Path, tok, convs: list[dict], journal: Journal, endpoint: str | None, kept: dict
 ) -> Path | None:
     """Every regenerated turn as (prompt, answer, tokens) in run_dir/prepared.partial/answers.jsonl.xz, the
     file `data/answers/` keeps (docs/answers.md)."""
@@ -181,6 +199,8 @@ def keep_answers(
                 records.append((c["messages"][:i], rec["text"], rec["tokens"]))
     how = settings(cfg, folder, endpoint)
     produced_by = {k: v for k, v in how.items() if k not in ("max_new_tokens", "temperature")}
+    if kept["used"]:  # those answers were made by what made the kept files
+        produced_by["kept_answers"] = {"used": kept["used"], "files": [f["path"] for f in kept["files"]]}
     path = answers_path(cfg)
     try:
         n = answers.write(path, answer_key(cfg, folder, tok), produced_by, records)
@@ -205,7 +225,7 @@ def regenerate(cfg, folder: Path, tok, convs: list[dict], endpoint: str | None =
             stats = over_endpoint(cfg, client, convs, journal)
         else:
             stats = _locally(cfg, folder, tok, convs, journal)
-        kept_path = keep_answers(cfg, folder, tok, convs, journal, endpoint)
+        kept_path = keep_answers(cfg, folder, tok, convs, journal, endpoint, kept)
         stats["answers_file"] = str(kept_path) if kept_path else None
     stats["kept_answers"] = kept
     stats |= {"max_new_tokens": p.max_new_tokens, "temperature": p.temperature, "journal": str(journal.path)}

@@ -19,7 +19,7 @@ from pipeline.corpora import EMBEDDED
 from pipeline.data import leaks, mixture
 from pipeline.data.chat_tokens import cut_long_prompts, cut_turns, tokenize_all
 from pipeline.data.mixture import load_conversations
-from pipeline.data.regenerate import journal_folder, regenerate
+from pipeline.data.regenerate import all_kept, journal_folder, regenerate
 from pipeline.data.synthesize import synthesize
 from pipeline.errors import UserError
 from pipeline.fingerprint import digest, shaping
@@ -136,8 +136,16 @@ def run(cfg) -> Path:
         raise UserError(
             f"data={cfg.data.name}: every conversation holds an MT-bench or HumanEval prompt (dropped)"
         )
+    server = cfg.prepare.regenerate_server
+    if cfg.prepare.regenerate and not cfg.prepare.synthesize:
+        convs[:], long_prompts = cut_long_prompts(tok, convs, cfg.prepare.max_len)
+        if str(getattr(server.engine, "value", server.engine)) != "none" and all_kept(
+            cfg, folder, tok, convs
+        ):
+            log.info("prepare: kept answers serve every turn (docs/answers.md): no regenerate server started")
+            server = OmegaConf.merge(server, {"engine": "none"})
     with regenerate_server.serving(
-        cfg.prepare.regenerate_server,
+        server,
         folder,
         journal_folder(cfg) / "server.log",
         cfg.prepare.regenerate_model or cfg.target.name,
@@ -151,8 +159,9 @@ def run(cfg) -> Path:
             convs[n:], synth_stats["leaks"] = leaks.check(
                 convs[n:], str(getattr(cfg.data.on_leak, "value", cfg.data.on_leak))
             )
-        if cfg.prepare.regenerate:
+        if cfg.prepare.regenerate and cfg.prepare.synthesize:  # (else cut above)
             convs[:], long_prompts = cut_long_prompts(tok, convs, cfg.prepare.max_len)
+        if cfg.prepare.regenerate:
             regen_stats = regenerate(cfg, folder, tok, convs, endpoint) | {"long_prompts": long_prompts}
         else:
             regen_stats = None

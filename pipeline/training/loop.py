@@ -274,7 +274,9 @@ def log_metrics(accelerator, path: Path, rec: dict, step: int) -> None:
                 "step %d val: %s",
                 step,
                 " ".join(
-                    f"{k}={v:.4f}" for k, v in rec.items() if k.startswith(("loss", "full_acc", "token_acc"))
+                    f"{k}={v:.4f}"
+                    for k, v in rec.items()
+                    if k.startswith(("loss", "full_acc", "token_acc", "evalpos_"))
                 ),
             )
         if rec["split"] == "tau":

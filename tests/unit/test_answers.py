@@ -3,6 +3,7 @@ another run without asking the server, and every file that must not serve a run 
 a line and a count. The server is tests/openai_test_server.py (the external boundary)."""
 
 import json
+import logging
 import lzma
 import shutil
 
@@ -241,3 +242,29 @@ def test_the_kept_smollm2_answers_are_whole_and_keyed(tmp_path):
     kept = answers.read(next(f for f in files if f.name.startswith("smollm2")))
     assert len(kept.by_prompt) == 21499 and kept.key["temperature"] == 0.0
     assert set(answers.KEY_FIELDS) <= set(kept.key)
+
+
+def test_no_server_is_started_when_kept_answers_serve_every_turn(run, tmp_path, make_cfg, caplog):
+    """prepare.regenerate_server starts nothing when every turn is kept (and asks the server for the rest)."""
+    caplog.set_level(logging.INFO)
+    server = ts.start()
+    run("a", server.url, "prepare.answers=[]")
+    server.shutdown()
+    d = tmp_path / "d.jsonl"
+    cfg = make_cfg(
+        "target=tiny",
+        "data=messages",
+        f"data.path={d}",
+        "data.shuffle=false",
+        "prepare.regenerate=true",
+        "prepare.regenerate_server.engine=command",
+        "prepare.regenerate_server.command=[false]",  # a server that cannot start: never started
+        f"prepare.answers=[{kept_file(tmp_path)}]",
+        run_dir=tmp_path / "b",
+    )
+    prepare.run(cfg)
+    _, stats = load_prepared(tmp_path / "b")
+    assert stats["regenerate"]["kept_answers"]["used"] == TURNS
+    assert any("no regenerate server started" in r.message for r in caplog.records)
+    kept = answers.read(tmp_path / "b" / "prepared.partial" / "answers.jsonl.xz")
+    assert kept.produced_by["kept_answers"]["used"] == TURNS
