@@ -18,6 +18,7 @@ from pipeline.config_choices import (
     OnError,
     OnFailedRequest,
     OnLeak,
+    OptimizerChoice,
     Resume,
     Select,
     ServerEngine,
@@ -243,6 +244,12 @@ class TrainConfig:
     # 2026-12-02) val acc_0 was 1.6 points below speculators' on the same packs and steps; with 0.999 it is
     # equal (BENCHMARKS.md, "our loop with speculators' AdamW betas")
     adam_betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    # adamw | muon (speculators 0.9's choice): Muon on the draft's 2D weight matrices with muon_lr, AdamW (lr,
+    # adam_betas, weight_decay) on the rest; one LR schedule scales both
+    optimizer: OptimizerChoice = OptimizerChoice.adamw
+    muon_lr: float = 0.02  # speculators' defaults, as their trainer passes them to torch.optim.Muon
+    muon_momentum: float = 0.95
+    muon_weight_decay: float = 0.1
     schedule: str = "cosine"  # transformers get_scheduler name: cosine | linear | constant_with_warmup
     warmup_steps: int = 10
     max_grad_norm: float = 1.0

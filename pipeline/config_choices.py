@@ -124,6 +124,12 @@ class FeatureSource(str, Enum):  # where train reads the target's states (pipeli
     )
 
 
+class OptimizerChoice(str, Enum):  # train.optimizer (pipeline/training/optimizers.py)
+    adamw = "adamw"
+    # torch.optim.Muon on the 2D weight matrices, AdamW on the rest (speculators.train.optimizers' split)
+    muon = "muon"
+
+
 class Select(str, Enum):  # which weights the export takes (train.select)
     last = "last"  # the last step's
     # the step with the highest tau during training (train.eval_tau_every_steps), at k = serving steps

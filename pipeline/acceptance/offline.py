@@ -210,13 +210,14 @@ def measure(cfg, store, prompts: list[list[int]], out: Path) -> Path:
     )
     if tf["trained"] is not None:
         log.info(
-            "eval trained draft: step-0 accuracy teacher-forced along these continuations %.3f (%s after a "
-            "hit, "
+            "eval trained draft: step-0 accuracy teacher-forced along these continuations %.3f (95%% CI %s; "
+            "%s after a hit, "
             "%s after a miss; training's last val at these positions %s, full_acc_0 %s); first-position "
             "acceptance at k=1 %.3f "
             "(rounds "
             "start after the draft's misses)",
             tf["trained"],
+            [round(x, 3) for x in tf.get("trained_ci95") or []],
             _fmt(tf.get("after_hit")),
             _fmt(tf.get("after_miss")),
             _fmt(tf["training_val_evalpos_token_acc_0"]),
@@ -307,7 +308,10 @@ def _teacher_forced_acc(model, capture, dr, prompts, greedy_refs, name: str, rep
     hits = torch.cat(rows or [torch.zeros(0, dtype=torch.bool)])
     tf = report.setdefault("teacher_forced_acc_0", {"tokens": len(hits)})
     tf[name] = float(hits.float().mean()) if len(hits) else None
-    if name == "trained":  # do misses cluster? the hit rate right after a hit and right after a miss
+    if name == "trained":  # prompts are the unit that varies (16 prompts move it by several points)
+        tf["trained_ci95"] = (
+            intervals.ratio_ci95([(int(r.sum()), len(r)) for r in rows], 2000, 0) if rows else None
+        )  # do misses cluster? the hit rate right after a hit and right after a miss
         prev, nxt = (
             (torch.cat([r[:-1] for r in rows]), torch.cat([r[1:] for r in rows])) if rows else (hits, hits)
         )

@@ -35,11 +35,7 @@ def figures(run_dir: Path) -> dict[str, str]:
         out["prepare"] = (
             f"{p['samples']:,} samples, {p['tokens']:,} tokens ({p['supervised_tokens']:,} supervised)"
             + (f"; {skipped:,} records skipped" if skipped else "")
-            + (
-                f"; {p['regenerate']['turns_replaced']:,} turns regenerated ({p['regenerate']['backend']})"
-                if isinstance(p.get("regenerate"), dict)
-                else ""
-            )
+            + (_answered(p["regenerate"]) if isinstance(p.get("regenerate"), dict) else "")
         )
     if (m := _read(RunDir(r).features_manifest)) and m.get("shards"):
         f = m["facts"]
@@ -99,6 +95,17 @@ def files_to_open(run_dir: Path) -> list[str]:
 def _online(run_dir: Path) -> bool:
     summary = _read(RunDir(Path(run_dir)).train_summary) or {}
     return summary.get("config", {}).get("train", {}).get("features") == "online"
+
+
+def _answered(r: dict) -> str:
+    """How the target's answers came: kept (data/answers/, docs/answers.md) and regenerated, each counted."""
+    kept = (r.get("kept_answers") or {}).get("used", 0)
+    new = r["turns_replaced"] - kept
+    return (
+        f"; {kept:,} answers kept, {new:,} regenerated ({r['backend']})"
+        if kept
+        else (f"; {new:,} turns regenerated ({r['backend']})")
+    )
 
 
 def rows(run_dir: Path, order: list[str], ran: set[str]) -> list[tuple[str, str, str]]:

@@ -16,7 +16,7 @@ import torch
 
 from pipeline import config_limits
 from pipeline.capture import features
-from pipeline.config_choices import Select
+from pipeline.config_choices import Select, Strategy
 from pipeline.errors import UserError
 from pipeline.fingerprint import digest, shaping
 from pipeline.formats import train_summary
@@ -45,6 +45,8 @@ def check(cfg) -> None:
         problems.append(problem)
     if len(t.adam_betas) != 2:
         problems.append(f"train.adam_betas={list(t.adam_betas)} must be two values in [0, 1) (beta1, beta2)")
+    if str(getattr(t.optimizer, "value", t.optimizer)) == "muon" and t.strategy == Strategy.fsdp:
+        problems.append("train.optimizer=muon with train.strategy=fsdp is not supported yet; use ddp")
     if problem := _wandb_key_missing(t.wandb):
         problems.append(problem)
     if t.select == Select.tau and t.eval_tau_every_steps is None:

@@ -261,7 +261,7 @@ def validate(s: Session, cfg, packs: list) -> dict:
     for name in ("evalpos_full_acc_0", "token_acc_0", "evalpos_token_acc_0"):
         n = summed.get(f"{name}_total")
         out[name] = summed[f"{name}_sum"] / n if n else float("nan")
-    out["evalpos_tokens"] = cfg.eval.max_new_tokens
+    out["eval_max_new_tokens"] = cfg.eval.max_new_tokens  # what evalpos_* cut at
     return out
 
 

@@ -22,6 +22,7 @@ from pipeline.formats import feature_store as fs
 from pipeline.formats import prepared, vocab_map
 from pipeline.formats.run_dir import RunDir
 from pipeline.models import draft, fsdp, losses, targets
+from pipeline.training import optimizers
 from pipeline.training.session import Plan, Session
 
 log = logging.getLogger(__name__)
@@ -240,7 +241,7 @@ def rank_share(packs: list, done: int, rank: int, world: int, grad_accum: int) -
 
 
 def _optimize(t, accelerator, model, sharded: bool, total_steps: int):
-    """The draft sharded (train.strategy=fsdp) or prepared, its AdamW and LR scheduler:
+    """The draft sharded (train.strategy=fsdp) or prepared, its optimizer (train.optimizer) and LR scheduler:
     (model, optimizer, scheduler, trainable parameters)."""
     from transformers import get_scheduler
 
@@ -258,7 +259,7 @@ def _optimize(t, accelerator, model, sharded: bool, total_steps: int):
             )
         model = fsdp.shard(model, accelerator.device)  # before the optimizer: it holds the sharded parameters
     trainable = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(trainable, lr=t.lr, weight_decay=t.weight_decay, betas=tuple(t.adam_betas))
+    optimizer = optimizers.build(t, model)
     scheduler = get_scheduler(
         t.schedule, optimizer, num_warmup_steps=t.warmup_steps, num_training_steps=total_steps
     )

@@ -24,6 +24,7 @@ from omegaconf import OmegaConf
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_json  # noqa: E402
 
+from pipeline import intervals  # noqa: E402
 from pipeline.acceptance import batched  # noqa: E402
 from pipeline.acceptance.draft_model import ExportedDraft  # noqa: E402
 from pipeline.acceptance.offline import _target  # noqa: E402
@@ -37,8 +38,15 @@ from pipeline.training.positions import answer_index, eval_positions, token_hits
 
 
 def rate(hits: list[torch.Tensor]) -> dict:
+    """Pooled accuracy over prompts, with its 95 % bootstrap interval over prompts (as evaluate's)."""
     h = torch.cat(hits) if hits else torch.zeros(0, dtype=torch.bool)
-    return {"acc": float(h.float().mean()) if len(h) else None, "positions": len(h)}
+    ci = intervals.ratio_ci95([(int(r.sum()), len(r)) for r in hits if len(r)]) if hits else None
+    return {
+        "acc": float(h.float().mean()) if len(h) else None,
+        "ci95": ci,
+        "positions": len(h),
+        "prompts": len(hits),
+    }
 
 
 def training_forward(cfg, run: Path, store, val: list[int]) -> dict:
@@ -229,6 +237,7 @@ def main() -> None:
     ]
     for name, v in rows:
         print(f"{name:<72} {v if v is None else round(v, 4)}")
+    print("F' 95% CI over prompts:", e["F_report_half"]["ci95"], " F:", e["F_greedy_continuation"]["ci95"])
     print("aux |delta| (store vs recomputed):", json.dumps(e["aux_delta"]), "->", out)
 
 
