@@ -121,7 +121,7 @@ class PrepareConfig:
     temperature: float = 0.0
     # Kept answers (docs/answers.md): files of the target's temperature-0 answers reused before any is
     # regenerated, each checked against this run's target, tokenizer, template and decoding settings (a file
-    # that does not match is named in the log, never read). null = every data/answers/*.jsonl.xz of this
+    # that does not match is named in the log, never used). null = every data/answers/*.jsonl.xz of this
     # repository; [] = none
     answers: list[str] | None = None
     gen_batch_size: int = 16
@@ -244,10 +244,11 @@ class TrainConfig:
     # 2026-12-02) val acc_0 was 1.6 points below speculators' on the same packs and steps; with 0.999 it is
     # equal (BENCHMARKS.md, "our loop with speculators' AdamW betas")
     adam_betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
-    # adamw | muon (speculators 0.9's choice): Muon on the draft's 2D weight matrices with muon_lr, AdamW (lr,
+    # adamw | muon (speculators 0.9's choice): Muon on the draft's 2D weight matrices (muon_*), AdamW (lr,
     # adam_betas, weight_decay) on the rest; one LR schedule scales both
     optimizer: OptimizerChoice = OptimizerChoice.adamw
-    muon_lr: float = 0.02  # speculators' defaults, as their trainer passes them to torch.optim.Muon
+    # null = train.lr (speculators' CLI does the same: with match_rms_adamw Muon's update has AdamW's RMS)
+    muon_lr: float | None = None
     muon_momentum: float = 0.95
     muon_weight_decay: float = 0.1
     schedule: str = "cosine"  # transformers get_scheduler name: cosine | linear | constant_with_warmup

@@ -348,7 +348,10 @@ def _trained_val_acc0(cfg, key: str = "full_acc_0"):
     """Training's last validation figure (train/final/train_summary.json), or None where there is none:
     full_acc_0, or evalpos_token_acc_0 (this one's question at these positions: training/positions.py)."""
     try:
-        return float(train_summary.read(RunDir.of(cfg).final)["val_after"][key])
+        val = train_summary.read(RunDir.of(cfg).final)["val_after"]
+        if key.startswith("evalpos_") and val.get("eval_max_new_tokens") != cfg.eval.max_new_tokens:
+            return None  # measured at other positions than this evaluate scores
+        return float(val[key])
     except (OSError, KeyError, TypeError, ValueError):
         return None
 

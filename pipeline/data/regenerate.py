@@ -97,6 +97,19 @@ def _usable(have: dict, want: dict) -> str | None:
     return None
 
 
+def _serve(tok, rec: dict, M: int, N: int):
+    """(text, tokens, cut) a kept answer of budget M gives a run of budget N, or why not (a count's name)."""
+    text, n = rec["a"], rec["n"]
+    if n > N:
+        ids = tok(text, add_special_tokens=False)["input_ids"]
+        if len(ids) != n:
+            return "retokenizes"
+        return tok.decode(ids[:N]).strip(), N, 1  # stripped as a fresh answer is (endpoint_client, local)
+    if n >= M and N > M:  # cut at its own budget: what follows is unknown
+        return "longer_budget"
+    return text, n, 0
+
+
 def reuse_answers(cfg, folder: Path, tok, convs: list[dict], journal: Journal, quiet: bool = False) -> dict:
     """Commit to the journal every turn a kept answer serves, before anything is asked (docs/answers.md).
     A greedy answer of n tokens kept with budget M serves budget N when n < M (it ended by itself) and
@@ -116,10 +129,11 @@ def reuse_answers(cfg, folder: Path, tok, convs: list[dict], journal: Journal, q
         kept = answers.read(path)
         why = _usable(kept.key, want)
         counts["files"].append({"path": str(path), "answers": len(kept.by_prompt), "refused": why})
-        if why and not quiet:
-            log.warning("prepare: kept answers %s not used: %s", path, why)
-        else:
-            usable.append(kept)
+        if why:
+            if not quiet:
+                log.warning("prepare: kept answers %s not used: %s", path, why)
+            continue
+        usable.append(kept)
     if not usable:
         return counts
     N = want["max_new_tokens"]
@@ -128,25 +142,18 @@ def reuse_answers(cfg, folder: Path, tok, convs: list[dict], journal: Journal, q
             if m["role"] != "assistant":
                 continue
             k = turn_key(c, i)
-            if journal.get(k) is not None:
+            if (done := journal.get(k)) is not None:  # committed before (a rerun): later turns follow it
+                c["messages"][i] = {"role": "assistant", "content": done["text"]}
                 continue
             prompt = c["messages"][:i]
             found = [(kept.key["max_new_tokens"], rec) for kept in usable if (rec := kept.get(prompt))]
-            if not found:
-                counts["not_kept"] += 1
+            served = [x for x in (_serve(tok, rec, M, N) for M, rec in found) if isinstance(x, tuple)]
+            if not served:
+                why = next((x for x in (_serve(tok, rec, M, N) for M, rec in found)), "not_kept")
+                counts[why] += 1
                 break  # a later turn's prompt holds this turn's answer: it is regenerated too
-            M, rec = found[0]
-            text, n = rec["a"], rec["n"]
-            if n > N:
-                ids = tok(text, add_special_tokens=False)["input_ids"]
-                if len(ids) != n:
-                    counts["retokenizes"] += 1
-                    break
-                text, n = tok.decode(ids[:N]), N
-                counts["cut_to_budget"] += 1
-            elif n >= M and N > M:  # cut at its own budget: what follows is unknown
-                counts["longer_budget"] += 1
-                break
+            text, n, cut = served[0]
+            counts["cut_to_budget"] += cut
             journal.commit(k, text, n)
             c["messages"][i] = {"role": "assistant", "content": text}
             counts["used"] += 1
@@ -186,7 +193,14 @@ def answers_path(cfg) -> Path:
 
 
 def keep_answers(
-    cfg, folder: Path, tok, convs: list[dict], journal: Journal, endpoint: str | None, kept: dict
+    cfg,
+    folder: Path,
+    tok,
+    convs: list[dict],
+    journal: Journal,
+    endpoint: str | None,
+    kept: dict,
+    given: str | None = None,
 ) -> Path | None:
     """Every regenerated turn as (prompt, answer, tokens) in run_dir/prepared.partial/answers.jsonl.xz, the
     file `data/answers/` keeps (docs/answers.md)."""
@@ -199,6 +213,8 @@ def keep_answers(
                 records.append((c["messages"][:i], rec["text"], rec["tokens"]))
     how = settings(cfg, folder, endpoint)
     produced_by = {k: v for k, v in how.items() if k not in ("max_new_tokens", "temperature")}
+    if given:  # eaglepipe did not start it: what it serves is the user's word (docs/answers.md)
+        produced_by["endpoint_given"] = "prepare.regenerate_endpoint: not checked to serve this target"
     if kept["used"]:  # those answers were made by what made the kept files
         produced_by["kept_answers"] = {"used": kept["used"], "files": [f["path"] for f in kept["files"]]}
     path = answers_path(cfg)
@@ -217,6 +233,9 @@ def regenerate(cfg, folder: Path, tok, convs: list[dict], endpoint: str | None =
     """Replace every assistant turn of `convs` in place (with on_failed_request=drop, the failed conversations
     are removed from the list); returns stats.json's `regenerate` block."""
     p = cfg.prepare
+    given = (
+        None if endpoint else p.regenerate_endpoint
+    )  # a server the user runs: not checked to be the target
     endpoint = endpoint or p.regenerate_endpoint
     with open_journal(cfg, folder, endpoint) as journal:
         kept = reuse_answers(cfg, folder, tok, convs, journal)
@@ -225,7 +244,7 @@ def regenerate(cfg, folder: Path, tok, convs: list[dict], endpoint: str | None =
             stats = over_endpoint(cfg, client, convs, journal)
         else:
             stats = _locally(cfg, folder, tok, convs, journal)
-        kept_path = keep_answers(cfg, folder, tok, convs, journal, endpoint, kept)
+        kept_path = keep_answers(cfg, folder, tok, convs, journal, endpoint, kept, given)
         stats["answers_file"] = str(kept_path) if kept_path else None
     stats["kept_answers"] = kept
     stats |= {"max_new_tokens": p.max_new_tokens, "temperature": p.temperature, "journal": str(journal.path)}

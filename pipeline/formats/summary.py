@@ -100,7 +100,7 @@ def _online(run_dir: Path) -> bool:
 def _answered(r: dict) -> str:
     """How the target's answers came: kept (data/answers/, docs/answers.md) and regenerated, each counted."""
     kept = (r.get("kept_answers") or {}).get("used", 0)
-    new = r["turns_replaced"] - kept
+    new = r["turns_replaced"] - r.get("turns_from_journal", 0)  # asked of the engine in this run
     return (
         f"; {kept:,} answers kept, {new:,} regenerated ({r['backend']})"
         if kept

@@ -228,14 +228,15 @@ def validate(s: Session, cfg, packs: list) -> dict:
         batch = {
             k: v.to(accelerator.device)
             for k, v in collate(
-                store, pack, cfg.train.tokens_per_pack, pad_packs(cfg.train, accelerator.device)
+                store, pack, cfg.train.tokens_per_pack, pad_packs(cfg.train, accelerator.device), True
             ).items()
         }
+        j = batch.pop("answer_index")[0]  # evaluate's positions, counted over each whole sample
         with accelerator.autocast():  # a prepared (DDP) model autocasts itself; an FSDP one does not
             drafted, _, m = model(**_cast(batch, accelerator), **fwd)
             # speculators' own step-0 accuracy, its loss mask cut to evaluate's positions (one TTT step)
             at_eval = positions.eval_positions(
-                batch["loss_mask"][0], batch["document_ids"][0], cfg.eval.max_new_tokens
+                batch["loss_mask"][0], batch["document_ids"][0], cfg.eval.max_new_tokens, j
             )
             _, _, m0 = model(
                 **_cast(batch | {"loss_mask": at_eval[None]}, accelerator), **fwd | {"ttt_steps": 1}
@@ -249,6 +250,7 @@ def validate(s: Session, cfg, packs: list) -> dict:
             batch["document_ids"][0],
             s.d2t.to(accelerator.device),
             cfg.eval.max_new_tokens,
+            j,
         )
         for k, v in m.items():
             sums[k] += float(v)

@@ -69,7 +69,7 @@ def build(t, model: torch.nn.Module) -> torch.optim.Optimizer:
     matrices, rest = split_named_params_for_muon(model)
     muon = torch.optim.Muon(
         [p for _, p in matrices],
-        lr=t.muon_lr,
+        lr=t.muon_lr if t.muon_lr is not None else t.lr,
         momentum=t.muon_momentum,
         weight_decay=t.muon_weight_decay,
         adjust_lr_fn="match_rms_adamw",

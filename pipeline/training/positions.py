@@ -25,7 +25,8 @@ import torch
 
 def answer_index(loss_mask: torch.Tensor, document_ids: torch.Tensor) -> torch.Tensor:
     """[T] index of each position's input token within its supervised run (0 = an answer's first token,
-    -1 = not supervised). A run starts where the mask turns on or the document changes."""
+    -1 = not supervised). A run starts where the mask turns on or the document changes. For packs, collate
+    computes it over each whole sample instead (a split window starts mid-answer)."""
     m = loss_mask.bool()
     T = m.shape[0]
     prev_on = torch.zeros_like(m)
@@ -38,17 +39,20 @@ def answer_index(loss_mask: torch.Tensor, document_ids: torch.Tensor) -> torch.T
 
 
 def scored(loss_mask: torch.Tensor, document_ids: torch.Tensor) -> torch.Tensor:
-    """[T] positions whose input token and predicted token (the next one, same document) are both the
-    answer's: never the prediction past its end-of-turn token, where serving stops."""
+    """[T] positions scored against the next token of the pack: collate's mask (input and predicted token
+    both the answer's) where that token is in the pack, in the same document (a window's last position
+    predicts a token of the next window: speculators' full_acc_0 scores it, the token comparison cannot)."""
     out = torch.zeros_like(loss_mask, dtype=torch.bool)
-    out[:-1] = loss_mask[:-1].bool() & loss_mask[1:].bool() & (document_ids[1:] == document_ids[:-1])
+    out[:-1] = loss_mask[:-1].bool() & (document_ids[1:] == document_ids[:-1])
     return out
 
 
-def eval_positions(loss_mask: torch.Tensor, document_ids: torch.Tensor, eval_tokens: int) -> torch.Tensor:
+def eval_positions(
+    loss_mask: torch.Tensor, document_ids: torch.Tensor, eval_tokens: int, j: torch.Tensor | None = None
+) -> torch.Tensor:
     """[T] the positions evaluate's teacher-forced acc_0 scores: the input is answer token j <= eval_tokens-2
-    (it predicts token j+1 of the first eval_tokens)."""
-    j = answer_index(loss_mask, document_ids)
+    (it predicts token j+1 of the first eval_tokens). j: collate's `answer_index` row, else from the mask."""
+    j = answer_index(loss_mask, document_ids) if j is None else j
     return scored(loss_mask, document_ids) & (j >= 0) & (j <= eval_tokens - 2)
 
 
@@ -59,6 +63,7 @@ def token_hits(
     document_ids: torch.Tensor,
     d2t: torch.Tensor,
     eval_tokens: int,
+    j: torch.Tensor | None = None,
 ) -> dict[str, torch.Tensor]:
     """Sums and totals of token_acc_0 (all scored positions) and evalpos_token_acc_0 for one [T]
     row: `proposal` is the step-0 argmax in draft ids, mapped to target ids as the engines map it
@@ -66,7 +71,7 @@ def token_hits(
     nxt = torch.zeros_like(input_ids)
     nxt[:-1] = input_ids[1:]
     hit = (proposal + d2t[proposal]) == nxt
-    on, at_eval = scored(loss_mask, document_ids), eval_positions(loss_mask, document_ids, eval_tokens)
+    on, at_eval = scored(loss_mask, document_ids), eval_positions(loss_mask, document_ids, eval_tokens, j)
     return {
         "token_acc_0_sum": (hit & on).sum(),
         "token_acc_0_total": on.sum(),

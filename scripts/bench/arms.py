@@ -79,11 +79,10 @@ def main() -> None:
     arms = {s.split("=", 1)[0]: shlex.split(s.split("=", 1)[1]) if "=" in s else [] for s in a.arm}
     # the prepared set and the store are the base run's, linked: an arm that changed them would rebuild them
     # in place, under every other arm
-    shared = [
-        o
-        for o in sum(arms.values(), [])
-        if o.lstrip("+~").startswith(("data", "prepare", "extract", "target"))
-    ]
+    if a.parallel < 1:
+        sys.exit("arms: --parallel must be 1 or more")
+    touch = ("data", "prepare", "extract", "target", "experiment")  # an experiment: in --common only
+    shared = [o for o in sum(arms.values(), []) if o.lstrip("+~").startswith(touch)]
     if shared:
         sys.exit(
             f"arms: {shared} would change the shared prepared set or store; make another base run for it"

@@ -268,3 +268,20 @@ def test_no_server_is_started_when_kept_answers_serve_every_turn(run, tmp_path, 
     assert any("no regenerate server started" in r.message for r in caplog.records)
     kept = answers.read(tmp_path / "b" / "prepared.partial" / "answers.jsonl.xz")
     assert kept.produced_by["kept_answers"]["used"] == TURNS
+
+
+def test_a_refused_file_never_counts_as_serving_so_the_server_still_starts(
+    run, tmp_path, make_cfg, tiny_folder
+):
+    """all_kept decides whether prepare starts its server: a file of another target serves nothing."""
+    server = ts.start()
+    _, _, cfg = run("a", server.url, "prepare.answers=[]")
+    server.shutdown()
+    kept = answers.read(kept_file(tmp_path))
+    other = tmp_path / "other.jsonl.xz"
+    _write_raw(other, kept.key | {"target": "0123456789abcdef"}, list(kept.by_prompt.items()))
+    tok = targets.load_tokenizer(tiny_folder, cfg.target)
+    convs = [{"source_id": c["id"], "messages": c["messages"]} for c in CONVS]
+    for path, serves in ((kept_file(tmp_path), True), (other, False)):
+        c = make_cfg("target=tiny", f"prepare.answers=[{path}]", run_dir=tmp_path / "x")
+        assert regen.all_kept(c, tiny_folder, tok, json.loads(json.dumps(convs))) is serves
