@@ -308,10 +308,10 @@ def _teacher_forced_acc(model, capture, dr, prompts, greedy_refs, name: str, rep
     hits = torch.cat(rows or [torch.zeros(0, dtype=torch.bool)])
     tf = report.setdefault("teacher_forced_acc_0", {"tokens": len(hits)})
     tf[name] = float(hits.float().mean()) if len(hits) else None
-    if name == "trained":  # prompts are the unit that varies (16 prompts move it by several points)
-        tf["trained_ci95"] = (
-            intervals.ratio_ci95([(int(r.sum()), len(r)) for r in rows], 2000, 0) if rows else None
-        )  # do misses cluster? the hit rate right after a hit and right after a miss
+    if name == "trained":
+        # its interval over prompts, the unit that varies (16 prompts move it by several points)
+        tf["trained_ci95"] = intervals.ratio_ci95([(int(r.sum()), len(r)) for r in rows]) if rows else None
+        # do misses cluster? the hit rate right after a hit and right after a miss
         prev, nxt = (
             (torch.cat([r[:-1] for r in rows]), torch.cat([r[1:] for r in rows])) if rows else (hits, hits)
         )

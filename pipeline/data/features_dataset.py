@@ -116,13 +116,13 @@ def shard_for_rank(packs: list, rank: int, world: int) -> list:
 
 
 def collate(
-    store: FeatureStore, pack: list, tokens_per_pack: int, pad: bool = False, answer_index: bool = False
+    store: FeatureStore, pack: list, tokens_per_pack: int, pad: bool = False, with_answer_index: bool = False
 ) -> dict[str, torch.Tensor]:
     """One [1, T] micro-batch from a pack of pieces (a bare sample index = the whole sample, which must fit).
     pad=True: padded to exactly tokens_per_pack (document id -1, loss mask 0, zero states), so every step has
     one shape; speculators' mask keeps a padded position to itself and its loss counts nothing.
-    answer_index=True adds `answer_index`: each input token's index within its answer over the whole sample
-    (-1 outside; validation's evaluate positions), which the draft's forward does not take."""
+    with_answer_index=True adds `answer_index`: each input token's index within its answer over the whole
+    sample (-1 outside; validation's evaluate positions), which the draft's forward does not take."""
     parts = {
         k: []
         for k in (
@@ -160,8 +160,8 @@ def collate(
         parts["loss_mask"].append(mask)
         parts["position_ids"].append(torch.arange(a + 1, b + 1))
         parts["document_ids"].append(torch.full((n,), doc, dtype=torch.long))
-        if answer_index:
-            parts.setdefault("answer_index", []).append(_answer_index(s["loss_mask"])[a + 1 : b + 1])
+        if with_answer_index:
+            parts.setdefault("answer_index", []).append(answer_index(s["loss_mask"])[a + 1 : b + 1])
     extra = tokens_per_pack - sum(len(x) for x in parts["input_ids"]) if pad else 0
     if extra > 0:  # padded on the right inside the one concatenation (no second copy of the pack)
         for k, v in parts.items():
@@ -169,13 +169,14 @@ def collate(
     return {k: torch.cat(v)[None] for k, v in parts.items()}
 
 
-def _answer_index(loss_mask: torch.Tensor) -> torch.Tensor:
-    """[n] index of each token within its supervised run (-1 outside one)."""
+def answer_index(loss_mask: torch.Tensor, document_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """[n] index of each token within its supervised run (0 = an answer's first token, -1 outside one). A run
+    starts where the mask turns on or, given document_ids, the document changes."""
     m = loss_mask.bool()
-    pos = torch.arange(len(m))
-    starts = m.clone()
-    starts[1:] &= ~m[:-1]
-    first = torch.cummax(torch.where(starts, pos, torch.zeros_like(pos)), 0).values
+    pos = torch.arange(len(m), device=m.device)
+    prev_on = torch.zeros_like(m)
+    prev_on[1:] = m[:-1] if document_ids is None else m[:-1] & (document_ids[1:] == document_ids[:-1])
+    first = torch.cummax(torch.where(m & ~prev_on, pos, torch.zeros_like(pos)), 0).values
     return torch.where(m, pos - first, torch.full_like(pos, -1))
 
 

@@ -147,12 +147,12 @@ def reuse_answers(cfg, folder: Path, tok, convs: list[dict], journal: Journal, q
                 continue
             prompt = c["messages"][:i]
             found = [(kept.key["max_new_tokens"], rec) for kept in usable if (rec := kept.get(prompt))]
-            served = [x for x in (_serve(tok, rec, M, N) for M, rec in found) if isinstance(x, tuple)]
-            if not served:
-                why = next((x for x in (_serve(tok, rec, M, N) for M, rec in found)), "not_kept")
-                counts[why] += 1
+            tried = [_serve(tok, rec, M, N) for M, rec in found]  # a served answer, or why not
+            served = next((x for x in tried if isinstance(x, tuple)), None)
+            if served is None:
+                counts[tried[0] if tried else "not_kept"] += 1
                 break  # a later turn's prompt holds this turn's answer: it is regenerated too
-            text, n, cut = served[0]
+            text, n, cut = served
             counts["cut_to_budget"] += cut
             journal.commit(k, text, n)
             c["messages"][i] = {"role": "assistant", "content": text}

@@ -21,20 +21,20 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
-from pipeline import intervals  # noqa: E402
-from pipeline.acceptance import batched  # noqa: E402
-from pipeline.acceptance.draft_model import ExportedDraft  # noqa: E402
-from pipeline.acceptance.offline import _target  # noqa: E402
-from pipeline.data import prompt_sets  # noqa: E402
-from pipeline.data.features_dataset import collate, plan_packs  # noqa: E402
+from pipeline import intervals
+from pipeline.acceptance import batched
+from pipeline.acceptance.draft_model import ExportedDraft
+from pipeline.acceptance.offline import _target
+from pipeline.data import prompt_sets
+from pipeline.data.features_dataset import collate, plan_packs
 from pipeline.formats import (
-    bench_results,  # noqa: E402
-    vocab_map,  # noqa: E402
+    bench_results,
+    vocab_map,
 )
-from pipeline.formats import export_layouts as lay  # noqa: E402
-from pipeline.formats.feature_store import FeatureStore  # noqa: E402
-from pipeline.models import draft, losses, targets  # noqa: E402
-from pipeline.training.positions import answer_index, eval_positions, token_hits  # noqa: E402
+from pipeline.formats import export_layouts as lay
+from pipeline.formats.feature_store import FeatureStore
+from pipeline.models import draft, losses, targets
+from pipeline.training.positions import answer_index, pack_metrics, ratios
 
 
 def rate(hits: list[torch.Tensor]) -> dict:
@@ -63,56 +63,31 @@ def training_forward(cfg, run: Path, store, val: list[int]) -> dict:
     assert not missing, f"trained weights not loaded: {sorted(missing)[:5]}"
     model.eval()
     loss = losses.loss_config(cfg.train.loss, cfg.train.loss_chunk_tokens)
-    lengths = torch.tensor([len(store.sample(i)["input_ids"]) for i in val])
-    tpp = cfg.train.tokens_per_pack
+    lengths, tpp = store.sample_lengths(), cfg.train.tokens_per_pack
     arms = {
-        "packed": plan_packs(torch.tensor(val).numpy(), _lens(store, val), tpp, cfg.seed, 0, shuffle=False),
-        "one_per_row": [[(i, 0, 0)] for i, n in zip(val, lengths.tolist()) if n - 1 <= tpp],
+        "packed": plan_packs(torch.tensor(val).numpy(), lengths, tpp, cfg.seed, 0, shuffle=False),
+        "one_per_row": [[(i, 0, 0)] for i in val if lengths[i] - 1 <= tpp],
     }
+    fwd = {"ttt_steps": cfg.train.ttt_steps, "loss_config": loss}
     out = {}
     for name, packs in arms.items():
         sums: dict = {}
         for pack in packs:
-            b = collate(store, pack, tpp)
-            b["hidden_states"] = b["hidden_states"].float()
-            b["verifier_last_hidden_states"] = b["verifier_last_hidden_states"].float()
-            at_eval = eval_positions(b["loss_mask"][0], b["document_ids"][0], cfg.eval.max_new_tokens)
+            b = collate(store, pack, tpp, with_answer_index=True)
+            for k in ("hidden_states", "verifier_last_hidden_states"):
+                b[k] = b[k].float()
             with torch.no_grad():
-                drafted, _, m = model(**b, ttt_steps=cfg.train.ttt_steps, loss_config=loss)
-                _, _, m0 = model(**(b | {"loss_mask": at_eval[None]}), ttt_steps=1, loss_config=loss)
-            m["evalpos_full_acc_0_sum"], m["evalpos_full_acc_0_total"] = (
-                m0["full_acc_0_sum"],
-                m0["full_acc_0_total"],
-            )
-            m |= token_hits(
-                drafted[0][0],
-                b["input_ids"][0],
-                b["loss_mask"][0],
-                b["document_ids"][0],
-                d2t,
-                cfg.eval.max_new_tokens,
-            )
+                m = pack_metrics(model, b, fwd, d2t, cfg.eval.max_new_tokens)
             for k, v in m.items():
                 sums[k] = sums.get(k, 0.0) + float(v)
         out[name] = {
             "full_acc_0": sums["full_acc_0_sum"] / sums["full_acc_0_total"],
-            "evalpos_full_acc_0": sums["evalpos_full_acc_0_sum"] / sums["evalpos_full_acc_0_total"],
-            "token_acc_0": sums["token_acc_0_sum"] / sums["token_acc_0_total"],
-            "evalpos_token_acc_0": sums["evalpos_token_acc_0_sum"] / sums["evalpos_token_acc_0_total"],
+            **ratios(sums),
             "positions": sums["full_acc_0_total"],
             "eval_positions": sums["evalpos_token_acc_0_total"],
             "packs": len(packs),
         }
     return out
-
-
-def _lens(store, idx):
-    import numpy as np
-
-    lens = np.zeros(max(idx) + 1, dtype=np.int64)
-    for i in idx:
-        lens[i] = len(store.sample(i)["input_ids"])
-    return lens
 
 
 def exported_forward(cfg, run: Path, store, val: list[int]) -> dict:
@@ -131,7 +106,7 @@ def exported_forward(cfg, run: Path, store, val: list[int]) -> dict:
         prop = dr.next_target_ids(out[:-1])  # predicts seq[2:]
         nxt = torch.tensor(seq[2:])
         m = torch.tensor(mask)
-        j = answer_index(m, torch.zeros_like(m))[1:-1]  # index of seq[j+1] in its answer
+        j = answer_index(m)[1:-1]  # index of seq[j+1] in its answer
         scored = m[1:-1].bool() & m[2:].bool() & (j >= 0) & (j <= K - 2)
         return (prop == nxt)[scored]
 

@@ -231,27 +231,10 @@ def validate(s: Session, cfg, packs: list) -> dict:
                 store, pack, cfg.train.tokens_per_pack, pad_packs(cfg.train, accelerator.device), True
             ).items()
         }
-        j = batch.pop("answer_index")[0]  # evaluate's positions, counted over each whole sample
         with accelerator.autocast():  # a prepared (DDP) model autocasts itself; an FSDP one does not
-            drafted, _, m = model(**_cast(batch, accelerator), **fwd)
-            # speculators' own step-0 accuracy, its loss mask cut to evaluate's positions (one TTT step)
-            at_eval = positions.eval_positions(
-                batch["loss_mask"][0], batch["document_ids"][0], cfg.eval.max_new_tokens, j
+            m = positions.pack_metrics(
+                model, _cast(batch, accelerator), fwd, s.d2t.to(accelerator.device), cfg.eval.max_new_tokens
             )
-            _, _, m0 = model(
-                **_cast(batch | {"loss_mask": at_eval[None]}, accelerator), **fwd | {"ttt_steps": 1}
-            )
-        m["evalpos_full_acc_0_sum"] = m0["full_acc_0_sum"]
-        m["evalpos_full_acc_0_total"] = m0["full_acc_0_total"]
-        m |= positions.token_hits(
-            drafted[0][0],
-            batch["input_ids"][0],
-            batch["loss_mask"][0],
-            batch["document_ids"][0],
-            s.d2t.to(accelerator.device),
-            cfg.eval.max_new_tokens,
-            j,
-        )
         for k, v in m.items():
             sums[k] += float(v)
     keys = sorted(sums)
@@ -259,10 +242,7 @@ def validate(s: Session, cfg, packs: list) -> dict:
         torch.tensor([sums[k] for k in keys], device=accelerator.device), reduction="sum"
     )
     summed = dict(zip(keys, total.tolist()))
-    out = summarise(summed, cfg.train.ttt_steps)
-    for name in ("evalpos_full_acc_0", "token_acc_0", "evalpos_token_acc_0"):
-        n = summed.get(f"{name}_total")
-        out[name] = summed[f"{name}_sum"] / n if n else float("nan")
+    out = summarise(summed, cfg.train.ttt_steps) | positions.ratios(summed)
     out["eval_max_new_tokens"] = cfg.eval.max_new_tokens  # what evalpos_* cut at
     return out
 

@@ -22,20 +22,7 @@ from __future__ import annotations
 
 import torch
 
-
-def answer_index(loss_mask: torch.Tensor, document_ids: torch.Tensor) -> torch.Tensor:
-    """[T] index of each position's input token within its supervised run (0 = an answer's first token,
-    -1 = not supervised). A run starts where the mask turns on or the document changes. For packs, collate
-    computes it over each whole sample instead (a split window starts mid-answer)."""
-    m = loss_mask.bool()
-    T = m.shape[0]
-    prev_on = torch.zeros_like(m)
-    prev_on[1:] = m[:-1] & (document_ids[1:] == document_ids[:-1])
-    starts = m & ~prev_on
-    pos = torch.arange(T, device=m.device)
-    start_at = torch.where(starts, pos, torch.zeros_like(pos))
-    start_at = torch.cummax(start_at, dim=0).values
-    return torch.where(m, pos - start_at, torch.full_like(pos, -1))
+from pipeline.data.features_dataset import answer_index
 
 
 def scored(loss_mask: torch.Tensor, document_ids: torch.Tensor) -> torch.Tensor:
@@ -77,4 +64,29 @@ def token_hits(
         "token_acc_0_total": on.sum(),
         "evalpos_token_acc_0_sum": (hit & at_eval).sum(),
         "evalpos_token_acc_0_total": at_eval.sum(),
+    }
+
+
+EVALPOS = ("evalpos_full_acc_0", "token_acc_0", "evalpos_token_acc_0")
+
+
+def pack_metrics(model, batch: dict, fwd: dict, d2t: torch.Tensor, eval_tokens: int) -> dict:
+    """speculators' metric sums for one pack (collate(..., with_answer_index=True)), plus those of EVALPOS:
+    its own step-0 accuracy with the loss mask cut to evaluate's positions (a second forward, one TTT step),
+    and the token hits. Every rank makes the same two forwards (FSDP's collectives)."""
+    batch = dict(batch)
+    j = batch.pop("answer_index")[0]
+    drafted, _, m = model(**batch, **fwd)
+    at_eval = eval_positions(batch["loss_mask"][0], batch["document_ids"][0], eval_tokens, j)
+    _, _, m0 = model(**(batch | {"loss_mask": at_eval[None]}), **fwd | {"ttt_steps": 1})
+    m["evalpos_full_acc_0_sum"], m["evalpos_full_acc_0_total"] = m0["full_acc_0_sum"], m0["full_acc_0_total"]
+    row = (batch["input_ids"][0], batch["loss_mask"][0], batch["document_ids"][0])
+    return m | token_hits(drafted[0][0], *row, d2t, eval_tokens, j)
+
+
+def ratios(summed: dict) -> dict:
+    """EVALPOS figures from summed pack_metrics (nan where nothing was scored)."""
+    return {
+        name: summed[f"{name}_sum"] / summed[f"{name}_total"] if summed.get(f"{name}_total") else float("nan")
+        for name in EVALPOS
     }

@@ -3,7 +3,7 @@ are scored, against which token, with the draft's proposals mapped to target ids
 
 import torch
 
-from pipeline.data.features_dataset import _answer_index
+from pipeline.data.features_dataset import answer_index as sample_answer_index
 from pipeline.training.positions import answer_index, eval_positions, token_hits
 
 # one sample: prompt p0 p1, an answer a0 a1 a2 a3 (a3 its end-of-turn token), then "\n"
@@ -18,7 +18,7 @@ D2T = torch.full((20,), 10)  # draft id k -> target id k + 10
 
 def test_collates_mask_scores_the_end_of_turn_prediction_never_the_token_after_it():
     assert MASK.tolist() == [0, 1, 1, 1, 0, 0]  # a0->a1, a1->a2, a2->a3 (EOS); not a3->"\n"
-    assert _answer_index(L)[1:].tolist() == [-1, 0, 1, 2, 3, -1]
+    assert sample_answer_index(L)[1:].tolist() == [-1, 0, 1, 2, 3, -1]
 
 
 def test_answer_index_restarts_at_each_answer_and_each_document():
@@ -29,7 +29,7 @@ def test_answer_index_restarts_at_each_answer_and_each_document():
 
 def test_hits_at_evaluates_positions_against_the_next_token_through_d2t():
     proposal = torch.tensor([0, 1, 2, 3, 0, 0])  # + 10: a1, a2, a3 at t = 1, 2, 3
-    j = _answer_index(L)[1:]
+    j = sample_answer_index(L)[1:]
     out = token_hits(proposal, IDS, MASK, DOC, D2T, eval_tokens=3, j=j)
     assert (out["token_acc_0_sum"], out["token_acc_0_total"]) == (3, 3)  # the EOS prediction included
     # evaluate with 3 new tokens (a0 a1 a2) scores a1 and a2: inputs j = 0, 1
