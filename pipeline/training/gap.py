@@ -58,10 +58,13 @@ def training_forward(cfg, run: Path, store, val: list[int]) -> dict:
     hf = targets.load_config(folder, cfg.target)
     model = draft.build(folder, hf, store.aux_layer_ids, d2t, t2d, cfg.train.ttt_steps, "sdpa")
     state = load_file(str(run / "train" / "final" / "model.safetensors"))
+    # on the GPU as training ran (speculators compiles its forward where CUDA is; CPU inputs to it fail)
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     missing = set(model.load_state_dict(state, strict=False).missing_keys) - {"t2d", "d2t"}
     missing = {k for k in missing if "verifier" not in k and "embed_tokens" not in k}
     assert not missing, f"trained weights not loaded: {sorted(missing)[:5]}"
-    model.eval()
+    model.to(dev).eval()
+    d2t = d2t.to(dev)
     loss = losses.loss_config(cfg.train.loss, cfg.train.loss_chunk_tokens)
     lengths, tpp = store.sample_lengths(), cfg.train.tokens_per_pack
     arms = {
@@ -73,7 +76,7 @@ def training_forward(cfg, run: Path, store, val: list[int]) -> dict:
     for name, packs in arms.items():
         sums: dict = {}
         for pack in packs:
-            b = collate(store, pack, tpp, with_answer_index=True)
+            b = {k: v.to(dev) for k, v in collate(store, pack, tpp, with_answer_index=True).items()}
             for k in ("hidden_states", "verifier_last_hidden_states"):
                 b[k] = b[k].float()
             with torch.no_grad():
@@ -102,8 +105,11 @@ def exported_forward(cfg, run: Path, store, val: list[int]) -> dict:
     prompts, same_prefix, used = [], [], []
 
     def hits_along(seq, aux, mask):
-        out = dr.layer(torch.tensor(seq[1:]), dr.fuse(aux[:-1]), torch.arange(1, len(seq)))
-        prop = dr.next_target_ids(out[:-1])  # predicts seq[2:]
+        aux = aux.to(device)
+        out = dr.layer(
+            torch.tensor(seq[1:], device=device), dr.fuse(aux[:-1]), torch.arange(1, len(seq), device=device)
+        )
+        prop = dr.next_target_ids(out[:-1]).cpu()  # predicts seq[2:]
         nxt = torch.tensor(seq[2:])
         m = torch.tensor(mask)
         j = answer_index(m)[1:-1]  # index of seq[j+1] in its answer
@@ -118,8 +124,8 @@ def exported_forward(cfg, run: Path, store, val: list[int]) -> dict:
         P = mask.index(1)
         hits["D_store_states"].append(hits_along(seq, s["aux_hidden"].float(), mask))
         with torch.no_grad():
-            model(input_ids=torch.tensor([seq]))
-        aux = capture.states()[0][0].float()
+            model(input_ids=torch.tensor([seq], device=device))
+        aux = capture.states()[0][0].float().cpu()
         hits["E_recomputed_states"].append(hits_along(seq, aux, mask))
         H = aux.shape[1] // len(store.aux_layer_ids)
         for n, k in enumerate(store.aux_layer_ids):
@@ -140,7 +146,7 @@ def exported_forward(cfg, run: Path, store, val: list[int]) -> dict:
             continue
         seq = prompt + g
         with torch.no_grad():
-            model(input_ids=torch.tensor([seq]))
+            model(input_ids=torch.tensor([seq], device=device))
         mask = [0] * len(prompt) + [1] * len(g)
         hits["F_greedy_continuation"].append(hits_along(seq, capture.states()[0][0].float(), mask))
         if i in report:

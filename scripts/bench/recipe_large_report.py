@@ -1,12 +1,15 @@
 """A recipe plan's run (plans recipe_large, serving, qwen_coder) gathered into one results JSON: the keys
-of #31's and #37's bars (tau_k3.<set>: offline, held-out's report half; acceptance_pos0;
-online.accept_length.<set>; online.graphs_on.speedup_c<N>; train_tokens; wall_s; commit; vocab_sweep where
+of #31's, #37's and #47's bars (val_full_acc_0, teacher_forced_acc_0.<set>, tau_ci95.<set>,
+online.speedup_c1.<set>, plan_device_s: seconds since $DEVICE_T0_FILE's time; tau_k3.<set>: offline,
+held-out's report half; acceptance_pos0; online.accept_length.<set>; online.graphs_on.speedup_c<N>;
+train_tokens; wall_s; commit; vocab_sweep where
 $VOCAB_SWEEP names plan qwen_vocab's results) and what explains them (stage seconds, disk, prepare, train).
 Usage: python scripts/bench/recipe_large_report.py PLAN_DIR [NAME]   (writes NAME.json)"""
 
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -43,12 +46,21 @@ def main(plan: Path, name: str) -> None:
     sets = _json(run / "eval" / "sets.json") or {}
     res["tau_k3"] = {name: (r.get("tau") or {}).get("3") for name, r in sets.items()}
     res["tau"] = {name: r.get("tau") for name, r in sets.items()}
+    res["tau_ci95"] = {name: (r.get("tau_ci95") or {}).get("3") for name, r in sets.items()}
+    val = summary.get("val_after") or {}  # issue #47: training's figure beside evaluate's, at its positions
+    res["val_full_acc_0"], res["val_evalpos_full_acc_0"] = (
+        val.get("full_acc_0"),
+        val.get("evalpos_full_acc_0"),
+    )
+    res["val_evalpos_token_acc_0"] = val.get("evalpos_token_acc_0")
     res["teacher_forced_acc_0"] = {name: r.get("teacher_forced_acc_0") for name, r in sets.items()}
     acc = _json(run / "eval" / "acceptance.json") or {}
     pos = ((acc.get("trained") or {}).get("3") or {}).get("accept_per_position")
     res["acceptance_per_position_k3"] = pos
     res["acceptance_pos0"] = pos[0] if pos else None
     res["online"] = online(run, sets)
+    t0 = Path(os.environ.get("DEVICE_T0_FILE", "/nonexistent"))  # written by the first install call
+    res["plan_device_s"] = round(time.time() - int(t0.read_text()), 1) if t0.is_file() else None
     sweep = _json(Path(os.environ["VOCAB_SWEEP"])) if os.environ.get("VOCAB_SWEEP") else {}
     if sweep:  # measured by its own plan (another run, its own data size): carried with its source named
         rows = [{k: r.get(k) for k in SWEEP_KEYS} for r in sweep["rows"]]
@@ -74,6 +86,7 @@ def online(run: Path, sets: dict) -> dict:
         for conc, r in (o.get("by_concurrency") or {}).items():
             if r.get("speedup_median") is not None:
                 out["graphs_on"].setdefault(f"by_set_{name}", {})[f"c{conc}"] = r
+                out.setdefault(f"speedup_c{conc}", {})[name] = r["speedup_median"]
         if name == "heldout":
             out["servers"] = {side: o.get(side) for side in ("speculative", "baseline")}
             for conc, r in (o.get("by_concurrency") or {}).items():
@@ -83,4 +96,4 @@ def online(run: Path, sets: dict) -> dict:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), sys.argv[2] if len(sys.argv) > 2 else "recipe_large_h200")
+    main(Path(sys.argv[1]), sys.argv[2] if len(sys.argv) > 2 else "recipe_large_h100")

@@ -113,7 +113,12 @@ def start(name: str) -> None:
         tree, d / "code", ignore=lambda at, ns: [n for n in ns if at == str(tree) and skip.fullmatch(n)]
     )
     git = subprocess.run(["git", "-C", str(tree), "rev-parse", "HEAD"], capture_output=True, text=True)
-    commit = os.environ.get("COMMIT") or git.stdout.strip() or "unknown"
+    dirty = subprocess.run(  # the tree a device receives may be ahead of the .git it carries
+        ["git", "-C", str(tree), "status", "--porcelain", "--untracked-files=no"],
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
+    commit = os.environ.get("COMMIT") or (git.stdout.strip() + "+uncommitted" * bool(dirty)) or "unknown"
     (d / "code" / "COMMIT").write_text(commit + "\n")
     (d / "plan.json").write_text(json.dumps(plan, indent=1))
     write_state(d, {"plan": plan["name"], "commit": commit, "status": "starting", "source_tree": str(tree)})
