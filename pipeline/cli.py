@@ -75,7 +75,10 @@ def route(argv: list[str]) -> str | list[str]:
                 f"unknown option {a}{where}: settings are key=value (eaglepipe {spelt(name or '')} --help "
                 "lists them); eaglepipe's options are Hydra's (eaglepipe --hydra-help)".replace("  ", " ")
             )
-    return args
+    # options first, then the overrides together: Hydra's parser takes one run of overrides, so
+    # `verify --cfg job x=1` (and the tools' own hydra.* overrides the entry point appends) would be refused
+    words = set(_positions(args))
+    return [a for i, a in enumerate(args) if i not in words] + [a for i, a in enumerate(args) if i in words]
 
 
 def command(word: str) -> str:

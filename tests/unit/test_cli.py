@@ -61,6 +61,13 @@ def test_help_after_settings_says_where_help_goes_and_how_to_see_the_config():
     )
 
 
+def test_a_tools_config_prints_with_options_after_the_command():
+    """`eaglepipe check-store --cfg job run_dir=x` once ended in argparse's "unrecognized arguments:
+    hydra.output_subdir=null ..." (the tools' own overrides were appended after the option)."""
+    r = eaglepipe("check-store", "--cfg", "job", "run_dir=/tmp/x")
+    assert r.returncode == 0 and "stage: check_store" in r.stdout and "run_dir: /tmp/x" in r.stdout, r.stderr
+
+
 def test_help_of_a_word_that_is_no_command_is_one_line():
     assert "'nope' is not an eaglepipe command" in one_error_line(eaglepipe("help", "nope"))
 
@@ -70,6 +77,13 @@ def test_the_command_word_and_stage_values_are_taken_in_either_spelling():
     assert cli.route(["-m", "tune-serve", "x=1"]) == ["-m", "stage=tune_serve", "x=1"]
     assert cli.route(["--cfg", "job", "stage=check-store"]) == ["--cfg", "job", "stage=check_store"]
     assert cli.route(["-m", "stage=train,export"]) == ["-m", "stage=train,export"]
+    # options before the overrides, which Hydra takes as one run (a tool's hydra.* overrides are appended)
+    assert cli.route(["check-store", "--cfg", "job", "run_dir=x"]) == [
+        "--cfg",
+        "job",
+        "stage=check_store",
+        "run_dir=x",
+    ]
     assert cli.route(["target=tiny"]) == ["target=tiny"]
     with pytest.raises(UserError, match="did you mean evaluate"):
         cli.route(["-m", "stage=train,evalute"])
