@@ -134,9 +134,15 @@ def startup_error(e: BaseException) -> str | None:
         what = "; ".join(
             p for p in one_line(str(e)).split("; ") if not p.startswith("Error parsing override")
         )
+        if e.override.startswith(("launch=", "+launch=")):  # a launch line's quotes, spaces or JSON
+            return (
+                f"override launch=...: {what}; a launch line holds characters Hydra's grammar reserves "
+                "(' \" , [ ] { }): give doctor the file instead, launch_file=<serve.sh>, or read it from "
+                "standard input: launch_file=- < serve.sh"
+            )
         return (
             f"override {e.override!r}: {what}; Hydra's grammar reserves , [ ] {{ }} ( ) ' \" = "
-            "and \\ in values: quote the value inside the override, e.g. \"launch='$(cat serve.sh)'\""
+            "and \\ in values: quote the value inside the override, e.g. \"data.path='/data/a,b.json'\""
         )
     if isinstance(e, ConfigCompositionException) and (m := re.match(r"Could not override '(.+?)'", str(e))):
         # Hydra's hint, "To append to your config use +key=...", adds a key nothing reads
@@ -284,14 +290,23 @@ def relaunch_ranks(argv: list[str]) -> None:
 
 
 def main() -> None:
-    from pipeline.runner import TOOLS
+    from pipeline import cli
+    from pipeline.commands import TOOLS
 
     if "LOCAL_RANK" in os.environ:  # one rank of a job: it ends with its launcher
         die_with_launcher()
     relaunch_ranks(sys.argv[1:])
-    # `eaglepipe verify export_dir=...` is `eaglepipe stage=verify export_dir=...`
-    if len(sys.argv) > 1 and "=" not in sys.argv[1] and not sys.argv[1].startswith("-"):
-        sys.argv[1] = f"stage={sys.argv[1].replace('-', '_')}"  # check-store is stage=check_store
+    if cli.is_completion_query(sys.argv[1:]):  # bash asks (eval "$(eaglepipe -sc install=bash)")
+        print(" ".join(cli.complete(os.environ.get("COMP_LINE", ""), _hydra_completions)))
+        return
+    try:  # help pages, the command word, its spelling (check-store = check_store), options not Hydra's
+        routed = cli.route(sys.argv[1:])
+    except UserError as e:
+        fail(str(e))
+    if isinstance(routed, str):
+        print(routed)
+        return
+    sys.argv[1:] = routed
     if any(a in {f"stage={t}" for t in [*TOOLS, "submit"]} for a in sys.argv[1:]):
         sys.argv += TOOL_HYDRA
     problem = schema_as_option(sys.argv[1:]) or empty_run_dir(sys.argv[1:]) or added_key(sys.argv[1:])
@@ -305,6 +320,22 @@ def main() -> None:
         if problem is None:
             raise
         fail(problem)
+
+
+def _hydra_completions(line: str) -> list[str]:
+    """Hydra's own bash completion of `line` (config groups, keys, group options), as a list."""
+    import contextlib
+    import io
+
+    out, argv, comp_line = io.StringIO(), sys.argv, os.environ.get("COMP_LINE")
+    os.environ["COMP_LINE"], sys.argv = line, [sys.argv[0], "-sc", "query=bash"]
+    try:
+        with contextlib.redirect_stdout(out):
+            app()
+    finally:
+        sys.argv = argv
+        os.environ.pop("COMP_LINE") if comp_line is None else os.environ.update(COMP_LINE=comp_line)
+    return out.getvalue().split()
 
 
 if __name__ == "__main__":

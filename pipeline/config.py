@@ -343,6 +343,8 @@ class Config:
     export_dir: str | None = None  # an export folder; null = run_dir/export/<engine>
     engine: str | None = None  # sglang | vllm; null = the export's own (verify) or every exported engine
     launch: str | None = None  # doctor: the server launch line
+    # doctor: a file holding the launch line (serve.sh), `-` = standard input: no quoting for Hydra needed
+    launch_file: str | None = None
     server: str | None = None  # doctor: a running SGLang server's URL (read from its /server_info)
 
 

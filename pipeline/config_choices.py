@@ -3,28 +3,10 @@ is composed). The schemas that use them: pipeline/config.py."""
 
 from enum import Enum
 
+from pipeline.commands import NAMES
 
-class Stage(str, Enum):
-    prepare = "prepare"
-    extract = "extract"
-    vocab = "vocab"
-    train = "train"
-    export = "export"
-    evaluate = "evaluate"
-    all = "all"
-    # `eaglepipe submit`: the stages not up to date as a chain of SLURM jobs (docs/scale.md)
-    submit = "submit"
-    # tools, not part of `all`:
-    verify = "verify"  # an export through the engine's own class and loader (export_dir=..., engine=...)
-    serve = "serve"  # print the launch command of an export (engine=...)
-    doctor = "doctor"  # an export against a server launch line
-    parity = "parity"  # hf vs sglang capture of the same samples (GPU box with sglang)
-    check_store = "check_store"  # `eaglepipe check-store`: every chunk of run_dir/features against its crc32c
-    # `eaglepipe plan`: training memory per GPU for target x pack x TTT x ranks x ddp|fsdp, computed
-    plan = "plan"
-    tune_serve = (
-        "tune_serve"  # `eaglepipe tune-serve`: the speculative settings chosen by measurement, into serve.sh
-    )
+# every command of `eaglepipe` (pipeline/commands.py, their one home: what each is, the help pages)
+Stage = Enum("Stage", [(name, name) for name in NAMES], type=str, module=__name__)
 
 
 class TargetSource(str, Enum):

@@ -283,6 +283,7 @@ FREE = {
     *("export.serve.sglang_args[]", "export.serve.vllm_args[]", "export.sglang_python", "export.vllm_python"),
     "export_dir",
     "launch",
+    "launch_file",
     "tune.grid.attention_backend[]",
     "tune.launch_prefix",
     "tune.server_args[]",

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from pipeline import config_limits, ranks
 from pipeline.capture import aux_layers, features
+from pipeline.commands import ORDER, TOOLS
 from pipeline.errors import UserError
 from pipeline.formats import check_memo, checkpoint, faults, run_lock
 from pipeline.formats import export_layouts as lay
@@ -28,9 +29,6 @@ from pipeline.models import targets
 
 log = logging.getLogger(__name__)
 
-ORDER = ["prepare", "extract", "vocab", "train", "export", "evaluate"]
-# read an export or a store; no fingerprints, never part of `all`
-TOOLS = ["verify", "serve", "doctor", "parity", "check_store", "plan", "tune_serve"]
 # the tools that write into the run dir (parity/, tune/ and the export's serve.sh) take its lock as stages do;
 # the others only read and run beside a job
 WRITING_TOOLS = ("parity", "tune_serve")

@@ -24,7 +24,7 @@ from pipeline import intervals
 from pipeline.acceptance import batched
 from pipeline.acceptance.draft_model import ExportedDraft
 from pipeline.capture.hf import Capture
-from pipeline.formats import eval_reports, train_summary
+from pipeline.formats import eval_plots, eval_reports, train_summary
 from pipeline.formats import export_layouts as lay
 from pipeline.formats.run_dir import RunDir
 from pipeline.models import draft as draft_lib
@@ -228,7 +228,7 @@ def measure(cfg, store, prompts: list[list[int]], out: Path) -> Path:
     _log_table(cfg, report, prompts, out)
     out.mkdir(parents=True, exist_ok=True)
     eval_reports.write(out, False, report)
-    _plot(report, out / "tau.png")
+    eval_plots.tau(report, out / eval_reports.TAU_PNG)
     return out
 
 
@@ -373,21 +373,3 @@ def untrained_tensors(cfg, store, folder: Path) -> dict:
         arch=lay.draft_arch_of_export(config).name,
     )
     return {lay.speculators_to_sglang_name(k): v.detach() for k, v in lay.draft_owned(m.state_dict()).items()}
-
-
-def _plot(report: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    ks = report["draft_lengths"]
-    fig, ax = plt.subplots(figsize=(5, 3.5))
-    for name in ("trained", "untrained"):
-        ax.plot(ks, [report[name][str(k)]["tau"] for k in ks], "o-", label=name)
-    ax.set_xlabel("draft length k")
-    ax.set_ylabel("tau (tokens / target forward)")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)

@@ -123,6 +123,9 @@ def _need_path(data) -> str:
 
 def _json_records(path: Path, problems: Problems) -> Iterator[tuple[str, dict]]:
     data = path.read_bytes()
+    if data.startswith(b"\xef\xbb\xbf"):  # Windows editors save UTF-8 so; JSON forbids it, readers skip it
+        log.info("%s starts with a UTF-8 byte-order mark: read past it", path)
+        data = data[3:]
     if path.suffix == ".json":
         try:
             text = data.decode("utf-8")
@@ -256,7 +259,8 @@ def _hf_records(path: Path, split: str) -> Iterator[tuple[str, dict]]:
                 f"{path}: no split {base!r}; a parquet source has one split, 'train' (take part of it with "
                 "e.g. data.split=train[:90%] or train[100:200])"
             )
-        ds = datasets.load_dataset("parquet", data_files={"train": files}, split=split)
+        ds = datasets.load_dataset("parquet", data_files={"train": files}, split="train")
+        ds = ds.select(_split_indices(len(ds), split))  # the same slicing (and empty-range line) as files
     else:
         try:
             ds = datasets.load_from_disk(str(path))
@@ -338,7 +342,20 @@ def _split_indices(n: int, split: str) -> range:
         v = round(n * v / 100) if s.endswith("%") else v
         return max(0, min(n, v if v >= 0 else n + v))
 
-    return range(bound(m.group(1), 0), bound(m.group(2), n))
+    lo, hi = bound(m.group(1), 0), bound(m.group(2), n)
+    if n and hi <= lo:  # (n = 0: nothing usable at all, which the caller says)
+        start, end = m.group(1) or "0", m.group(2) or str(n)
+        why = (
+            f"it starts at {start}, past the last of the source's {n} usable conversations"
+            if lo >= n
+            else f"its start {start} (row {lo}) is not before its end {end} (row {hi}), of {n} usable "
+            "conversations"
+        )
+        raise UserError(
+            f"data.split={split!r} selects no conversation: {why}; e.g. train[:{max(n // 2, 1)}] or "
+            f"train[{n // 2}:]"
+        )
+    return range(lo, hi)
 
 
 def norm_text(text: str) -> str:

@@ -12,6 +12,8 @@ OFFLINE = "acceptance.json"
 ONLINE = "online.json"
 SETS = "sets.json"
 SETS_ONLINE = "sets_online.json"
+TAU_PNG = "tau.png"  # beside acceptance.json: tau per draft length with its intervals (formats/eval_plots.py)
+ONLINE_PNG = "online.png"  # beside online.json: tokens/s and speedup per concurrency
 
 
 def name(online: bool) -> str:

@@ -78,12 +78,26 @@ def figures(run_dir: Path) -> dict[str, str]:
     return out
 
 
+def pictures(run_dir: Path) -> list[tuple[str, Path]]:
+    """(caption, path) of the run's pictures that exist: training's curves, evaluate's τ and online bench."""
+    rd = RunDir(Path(run_dir))
+    wanted = [
+        ("training and validation curves", rd.train / "plots" / "curves.png"),
+        ("τ per draft length, 95 % intervals over prompts", rd.eval / eval_reports.TAU_PNG),
+        (
+            "online: tokens/s and speedup per concurrency, spread over repeats",
+            rd.eval / eval_reports.ONLINE_PNG,
+        ),
+    ]
+    return [(caption, path) for caption, path in wanted if path.exists()]
+
+
 def files_to_open(run_dir: Path) -> list[str]:
     rd = RunDir(Path(run_dir))
     wanted = [
-        rd.train / "plots" / "curves.png",
-        rd.eval / "tau.png",
+        *[path for _, path in pictures(run_dir)],
         rd.eval / eval_reports.OFFLINE,
+        rd.eval / eval_reports.ONLINE,
         rd.vocab / vocab_map.REPORT,
         rd.export_manifest("sglang"),
         rd.export("sglang") / "serve.sh",
@@ -139,10 +153,22 @@ def rows(run_dir: Path, order: list[str], ran: set[str]) -> list[tuple[str, str,
 
 
 def markdown(run_dir: Path, table: list[tuple[str, str, str]], files: list[str]) -> str:
+    """The table, the files to open as links, and the pictures shown; links are relative to run_dir (where
+    summary.md lies), so they work wherever the run dir is viewed or copied."""
+
+    def rel(path) -> str:
+        return Path(path).relative_to(run_dir).as_posix()
+
     lines = [f"# eaglepipe run summary: {run_dir}", "", "| stage | time | key figure |", "|---|---:|---|"]
     lines += [f"| {s} | {t} | {f} |" for s, t, f in table]
-    lines += ["", "Open next:", ""] + [f"- `{p}`" for p in files]
-    return "\n".join(lines) + "\n"
+    lines += ["", "Open next:", ""] + [f"- [{p}]({rel(p)})" for p in files]
+    shown = pictures(run_dir)
+    if shown:
+        lines += ["", "## Pictures", ""]
+        lines += [
+            f"![{caption}]({rel(path)})\n\n{caption}: [{rel(path)}]({rel(path)})\n" for caption, path in shown
+        ]
+    return "\n".join(lines).rstrip("\n") + "\n"
 
 
 def report(run_dir: Path, order: list[str], ran: set[str]) -> Path:

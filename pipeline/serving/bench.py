@@ -30,7 +30,7 @@ from pathlib import Path
 
 from pipeline import intervals
 from pipeline.errors import UserError
-from pipeline.formats import eval_reports
+from pipeline.formats import eval_plots, eval_reports
 from pipeline.serving.clients import ThreadClients
 from pipeline.serving.endpoint import (
     VLLM_COUNTERS,
@@ -286,6 +286,8 @@ def measure(cfg, store, prompts: list[list[int]], out: Path) -> Path:
     )
     out.mkdir(parents=True, exist_ok=True)
     path = eval_reports.write(out, True, report)
+    if report.get("by_concurrency"):  # the passes measured, even those before a server stopped answering
+        eval_plots.online(report, out / eval_reports.ONLINE_PNG)
     if "error" in report:
         raise UserError(f"{report['error']} (written to {path})")
     spec = report["speculative"]

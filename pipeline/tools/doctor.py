@@ -1,4 +1,5 @@
-"""`eaglepipe doctor export_dir=... launch='python -m sglang.launch_server ...'` (or a vLLM line), or
+"""`eaglepipe doctor export_dir=... launch_file=serve.sh` (or `launch_file=- < serve.sh`, or
+`launch='python -m sglang.launch_server ...'`; a vLLM line alike), or
 `eaglepipe doctor export_dir=... server=http://host:port` for a running SGLang server (its /server_info).
 
 Reads a server launch line and the export it should serve, and flags each seed failure with a one-line fix:
@@ -11,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import shlex
+import sys
 from pathlib import Path
 
 from pipeline.engines.verify import check_export, export_architecture, read_export
@@ -157,13 +159,38 @@ def diagnose(export_dir: Path, line: str | None = None, server: str | None = Non
     return findings
 
 
-def run(cfg) -> Path:
-    if not cfg.export_dir or not (cfg.launch or cfg.server):
+def launch_line(cfg) -> str | None:
+    """The launch line: `launch=`, or the file `launch_file=` names (serve.sh; `-`: standard input), read as
+    the shell reads a one-command script: comment lines out, backslash-newline continuations joined. A file
+    needs no quoting, whatever quotes, spaces or JSON the line holds."""
+    if cfg.get("launch_file") is None:
+        return cfg.launch
+    if cfg.launch:
+        raise UserError("doctor: launch= and launch_file= are both set; keep one")
+    if cfg.launch_file == "-":
+        where, text = "standard input", sys.stdin.read()
+    else:
+        path = Path(cfg.launch_file).expanduser()
+        if not path.is_file():
+            raise UserError(f"doctor: launch_file={path} is not a file; give serve.sh's path or - (stdin)")
+        where, text = str(path), path.read_text(encoding="utf-8-sig", errors="replace")
+    text = text.replace("\\\n", " ")
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip() and not ln.strip().startswith("#")]
+    if len(lines) != 1:
         raise UserError(
-            "doctor needs export_dir=<export folder> and launch='<server launch line>' "
-            "or server=http://host:port (a running SGLang server)"
+            f"doctor: {where} holds {len(lines)} command lines; it reads one launch line (as serve.sh holds)"
         )
-    findings = diagnose(Path(cfg.export_dir), cfg.launch, cfg.server)
+    return lines[0]
+
+
+def run(cfg) -> Path:
+    line = launch_line(cfg)
+    if not cfg.export_dir or not (line or cfg.server):
+        raise UserError(
+            "doctor needs export_dir=<export folder> and the launch line: launch_file=<serve.sh> (or "
+            "launch_file=- < serve.sh), launch='<line>', or server=http://host:port (a running SGLang server)"
+        )
+    findings = diagnose(Path(cfg.export_dir), line, cfg.server)
     for f in findings:
         print(f"doctor: {f}")
     if findings:

@@ -208,3 +208,45 @@ def test_doctor_flags_a_launch_line_or_server_of_another_target_than_the_exports
         assert len(findings) == 1 and findings[0].startswith(want), findings
     finally:
         server.shutdown()
+
+
+@pytest.mark.parametrize("engine", ["sglang", "vllm"])
+def test_doctor_reads_the_launch_line_of_a_run_dir_with_a_space_from_a_file_or_stdin(
+    export_dir, cache_dir, tmp_path, engine
+):
+    """#50: serve.sh of a run dir whose path has a space: `launch="$(cat serve.sh)"` cannot be parsed by Hydra
+    (one line naming launch_file, exit 2); launch_file=serve.sh and launch_file=- < serve.sh both serve."""
+    import shutil
+
+    from pipeline.serving.launch import serve_command
+
+    spaced = tmp_path / "my run" / engine
+    shutil.copytree(export_dir / engine, spaced)
+    manifest = json.loads((spaced / "export_manifest.json").read_text())
+    line = serve_command(engine, manifest["target_path"], spaced, manifest["serve"])
+    (spaced / "serve.sh").write_text(line + "\n")
+
+    def doctor(*how, stdin=None):
+        return subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pipeline",
+                "doctor",
+                f"cache_dir={cache_dir}",
+                f"export_dir={spaced}",
+                *how,
+            ],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            input=stdin,
+        )
+
+    for r in (doctor(f"launch_file={spaced / 'serve.sh'}"), doctor("launch_file=-", stdin=line + "\n")):
+        assert r.returncode == 0 and "serves this export with EAGLE3" in r.stdout, r.stdout + r.stderr
+    for typed in (f"launch={line}", f"launch='{line}'"):  # launch="$(cat serve.sh)", "launch='$(cat ...)'"
+        r = doctor(typed)
+        errors = r.stderr.strip().splitlines()
+        assert r.returncode == 2 and len(errors) == 1 and "Traceback" not in r.stderr, r.stderr
+        assert "launch_file=<serve.sh>" in errors[0] and "launch_file=- < serve.sh" in errors[0]

@@ -1,14 +1,14 @@
 """The house: imports run down only, floor by floor, and no room is too large.
 
 Floors, top to bottom (docs/stages.md draws them):
-  the CLI and the runner (`__main__`, `runner`)
+  the CLI and the runner (`__main__`, `cli` (help, completion), `cli_help` (the pages), `runner`)
   tools/ and stages/: side by side; a stage never imports a tool, a tool never a stage, a stage no other stage
   the packages that do the work, themselves in order: training > acceptance > capture > data > serving >
   engines > models (each imports only those after it)
   formats/: every on-disk artifact's reader and writer; nothing of the project but config, errors and
   lazy_compile (how speculators is imported)
   the ground: config_limits (over config), config_choices, errors, lazy_compile, fingerprint, corpora, ranks,
-  the package's own `__version__`
+  the package's own `__version__`; under them all `commands` (the stages' and tools' names)
 So any stage can be read, run and replaced on its own, and a change to a format is felt only above it.
 """
 
@@ -54,6 +54,8 @@ def room(module: str) -> str:
 
 FLOORS = [
     ["__main__"],
+    ["cli"],
+    ["cli_help"],
     ["runner"],
     ["tools", "stages"],
     *[[p] for p in PACKAGES],
@@ -61,6 +63,7 @@ FLOORS = [
     ["config_limits"],
     ["config", "corpora", "fingerprint", "ranks", "intervals"],
     ["config_choices", "config_tools", "errors", "lazy_compile", "pipeline"],
+    ["commands"],
 ]
 
 

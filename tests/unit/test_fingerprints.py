@@ -216,3 +216,29 @@ def test_data_knobs_are_hashed_at_their_defaults_and_a_change_reprepares(make_cf
         assert prepare.fingerprint(
             make_cfg("+experiment=tiny", change, run_dir=tmp_path)
         ) != prepare.fingerprint(cfg)
+
+
+def test_a_data_file_replaced_by_other_content_of_the_same_size_and_mtime_reruns_prepare(
+    make_cfg, tmp_path, caplog
+):
+    """#50: prepare's fingerprint read a data file's size and mtime, so a file replaced by other bytes of the
+    same size, its mtime set back (cp -p, rsync -t, a restored backup), was "up to date". It reads the content
+    now, and says so in the log; the same bytes written again (a new mtime) keep it up to date."""
+    import logging
+    import os
+
+    from pipeline.stages import prepare
+
+    caplog.set_level(logging.INFO)
+    data = tmp_path / "chats.jsonl"
+    data.write_text('{"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "yo"}]}\n')
+    st = data.stat()
+    args = ("data=sharegpt", f"data.path={data}")
+    first = fp(prepare, make_cfg, tmp_path, *args)
+    assert f"{data} read by content for its fingerprint: 1 file(s)" in caplog.text
+    data.write_text(data.read_text().replace('"yo"', '"ok"'))  # same size
+    os.utime(data, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert data.stat().st_size == st.st_size and data.stat().st_mtime_ns == st.st_mtime_ns
+    assert fp(prepare, make_cfg, tmp_path, *args) != first
+    data.write_text(data.read_text().replace('"ok"', '"yo"'))  # the first bytes again, a new mtime
+    assert fp(prepare, make_cfg, tmp_path, *args) == first

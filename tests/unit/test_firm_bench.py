@@ -5,6 +5,7 @@ servers, median and spread per concurrency, and the refusals of what is not like
 
 import json
 import statistics
+import struct
 import threading
 from http.server import ThreadingHTTPServer
 from types import SimpleNamespace
@@ -134,6 +135,7 @@ def test_a_server_that_dies_mid_bench_is_named_with_what_was_measured_and_no_spe
     assert len(report["by_concurrency"]["1"]["speculative"]["tokens_per_s"]) == 3
     assert len(report["by_concurrency"]["1"]["baseline"]["tokens_per_s"]) == 3
     assert "speedup" not in report and not any("speedup" in row for row in report["by_concurrency"].values())
+    assert png_size(tmp_path / "online.png") == (600, 400)  # what was measured, drawn: tokens/s, no speedup
 
 
 def test_an_unreachable_baseline_is_one_line_and_nothing_is_measured(serve, tmp_path):
@@ -151,3 +153,28 @@ def test_an_unreachable_baseline_is_one_line_and_nothing_is_measured(serve, tmp_
     with pytest.raises(UserError, match="the baseline server: .*is the server running.*nothing was measured"):
         online.measure(cfg, None, PROMPTS, tmp_path)
     assert "speedup" not in json.loads((tmp_path / "online.json").read_text())
+    assert not (tmp_path / "online.png").exists()  # nothing measured, nothing drawn
+
+
+def png_size(path) -> tuple[int, int]:
+    head = path.read_bytes()[:24]
+    assert head[:8] == b"\x89PNG\r\n\x1a\n"
+    return struct.unpack(">II", head[16:24])
+
+
+def test_a_finished_bench_draws_online_png_beside_online_json(serve, tmp_path):
+    """#50: tokens/s and the speedup per concurrency as a picture (eval_plots.online), not JSON only."""
+    cfg = SimpleNamespace(
+        eval=SimpleNamespace(
+            endpoint=serve(SPEC),
+            baseline_endpoint=serve(PLAIN),
+            max_new_tokens=8,
+            concurrency=[1, 2],
+            repeats=2,
+            warmup_prompts=0,
+            endpoint_timeout_s=10,
+        )
+    )
+    online.measure(cfg, None, PROMPTS, tmp_path)
+    assert "speedup" in json.loads((tmp_path / "online.json").read_text())
+    assert png_size(tmp_path / "online.png") == (1000, 400)  # two panels: tokens/s, speedup

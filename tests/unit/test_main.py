@@ -40,16 +40,26 @@ def test_hydra_reports_become_one_line_without_search_path_or_schema_options():
         == "In 'config': Could not find 'target/nope'; Available options in 'target': smollm2, tiny"
     )
     parse = OverrideParseException(
-        "launch=a 'b'",
-        "Error parsing override 'launch=a 'b''\nextraneous input\n"
+        "data.path=a 'b'",
+        "Error parsing override 'data.path=a 'b''\nextraneous input\n"
         "See https://hydra.cc/docs/1.2/advanced/override_grammar/basic for details",
     )
     line = startup_error(parse)
     assert (
-        line.startswith("override \"launch=a 'b'\": extraneous input; Hydra's grammar reserves")
+        line.startswith("override \"data.path=a 'b'\": extraneous input; Hydra's grammar reserves")
         and "\n" not in line
     )
-    assert "launch='$(cat serve.sh)'" in line
+    assert "data.path='/data/a,b.json'" in line
+
+
+def test_a_launch_line_hydra_cannot_parse_points_to_launch_file():
+    """`doctor launch="$(cat serve.sh)"` with a run dir whose path has a space: serve.sh quotes the path, so
+    Hydra cannot parse the override; the hint is the file, which needs no quoting (not the form typed)."""
+    for value in ("python -m sglang.launch_server --model-path '/r/my run/t'", "'$(cat serve.sh)'"):
+        e = OverrideParseException(f"launch={value}", "Error parsing override\nmismatched input '/'")
+        line = startup_error(e)
+        assert "launch_file=<serve.sh>" in line and "launch_file=- < serve.sh" in line, line
+        assert "$(cat" not in line and "\n" not in line
 
 
 def test_one_line_joins_sentences_and_drops_key_details():

@@ -106,3 +106,55 @@ def test_interpreter_flags_before_dash_m_do_not_hide_the_engine():
     )
     assert got == {"engine": "sglang", "algorithm": "EAGLE3", "draft": "/d"}
     assert parse_launch("python3 -O -m vllm.entrypoints.openai.api_server --model /t")["engine"] == "vllm"
+
+
+SERVE = {"num_steps": 3, "topk": 1, "num_draft_tokens": 4}
+
+
+@pytest.mark.parametrize("engine", ["sglang", "vllm"])
+@pytest.mark.parametrize("source", ["file", "stdin"])
+def test_doctor_reads_serve_sh_of_a_run_dir_with_a_space_from_a_file_or_stdin(
+    tmp_path, monkeypatch, engine, source
+):
+    """serve.sh of a run dir whose path has a space quotes the path (SGLang) or holds JSON (vLLM): Hydra
+    cannot parse it as launch=...; launch_file= (or - for standard input) reads it as the shell would."""
+    import io
+
+    from omegaconf import OmegaConf
+
+    from pipeline.serving.launch import serve_command
+    from pipeline.tools.doctor import launch_line
+
+    draft = tmp_path / "my run" / "export" / engine
+    draft.mkdir(parents=True)
+    serve_sh = draft / "serve.sh"
+    serve_sh.write_text(serve_command(engine, "/models/my target", draft, SERVE) + "\n")
+    if source == "stdin":
+        monkeypatch.setattr("sys.stdin", io.StringIO(serve_sh.read_text()))
+    cfg = OmegaConf.create({"launch": None, "launch_file": "-" if source == "stdin" else str(serve_sh)})
+    line = launch_line(cfg)
+    assert line == serve_sh.read_text().strip()
+    launch = parse_launch(line)
+    assert launch == {
+        "engine": engine,
+        "algorithm": "EAGLE3" if engine == "sglang" else "eagle3",
+        "draft": str(draft),
+    }
+
+
+def test_a_launch_file_with_comments_and_continuations_is_one_line_and_two_commands_are_refused(tmp_path):
+    from omegaconf import OmegaConf
+
+    from pipeline.tools.doctor import launch_line
+
+    f = tmp_path / "serve.sh"
+    f.write_text("#!/bin/sh\n# the draft\npython -m sglang.launch_server \\\n  --model-path /m\n")
+    cfg = OmegaConf.create({"launch": None, "launch_file": str(f)})
+    assert launch_line(cfg) == "python -m sglang.launch_server    --model-path /m"
+    f.write_text("python -m sglang.launch_server --model-path /m\nvllm serve /m\n")
+    with pytest.raises(UserError, match="holds 2 command lines; it reads one launch line"):
+        launch_line(cfg)
+    with pytest.raises(UserError, match="launch= and launch_file= are both set"):
+        launch_line(OmegaConf.create({"launch": "x", "launch_file": str(f)}))
+    with pytest.raises(UserError, match="is not a file"):
+        launch_line(OmegaConf.create({"launch": None, "launch_file": str(tmp_path / "nope.sh")}))

@@ -1,4 +1,5 @@
 import json
+import logging
 from types import SimpleNamespace
 
 import pytest
@@ -285,3 +286,40 @@ def test_answers_before_the_first_user_turn_are_removed_and_counted_the_rest_kep
     )
     assert problems.changed == {"leading assistant turns removed (no user turn before them)": 1}
     assert not problems.counts
+
+
+@pytest.mark.parametrize("suffix", [".json", ".jsonl"])
+def test_a_data_file_starting_with_a_utf8_byte_order_mark_is_read(tmp_path, suffix, caplog):
+    """Windows editors (Notepad, Excel's "UTF-8" export) write a BOM; JSON readers skip it, so do we."""
+    caplog.set_level(logging.INFO)
+    body = json.dumps([GOOD, GOOD]) if suffix == ".json" else json.dumps(GOOD) + "\n" + json.dumps(GOOD)
+    path = tmp_path / f"d{suffix}"
+    path.write_bytes(b"\xef\xbb\xbf" + body.encode())
+    convs, problems = load_conversations(data_cfg(path))
+    assert len(convs) == 2 and sum(problems.counts.values()) == 0
+    assert "starts with a UTF-8 byte-order mark: read past it" in caplog.text
+
+
+@pytest.mark.parametrize(
+    "split,says",
+    [
+        ("train[10:5]", "its start 10 (row 10) is not before its end 5 (row 5), of 12 usable conversations"),
+        ("train[50%:10%]", "its start 50% (row 6) is not before its end 10% (row 1)"),
+        ("train[40:]", "it starts at 40, past the last of the source's 12 usable conversations"),
+    ],
+)
+def test_an_empty_split_range_is_named_not_called_no_usable_conversation(tmp_path, split, says):
+    path = write_jsonl(tmp_path / "d.jsonl", [json.dumps(GOOD).encode()] * 12)
+    with pytest.raises(UserError, match=r"data.split='.*' selects no conversation: ") as e:
+        load_conversations(data_cfg(path, split=split))
+    assert says in str(e.value) and "e.g. train[:6] or train[6:]" in str(e.value)
+
+
+def test_an_empty_split_range_of_a_parquet_source_is_named_too(tmp_path):
+    import datasets
+
+    rows = {"messages": [[{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]] * 4}
+    datasets.Dataset.from_dict(rows).to_parquet(str(tmp_path / "d.parquet"))
+    with pytest.raises(UserError, match=r"data.split='train\[3:1\]' selects no conversation: its start 3"):
+        load_conversations(data_cfg(tmp_path / "d.parquet", "hf", split="train[3:1]"))
+    assert len(load_conversations(data_cfg(tmp_path / "d.parquet", "hf", split="train[1:3]"))[0]) == 2
