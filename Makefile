@@ -1,5 +1,5 @@
 # The two commands a fresh machine needs (README): `make demo` and `make test`.
-.PHONY: setup setup-engines setup-all setup-qwen demo test test-fast lint
+.PHONY: setup setup-engines setup-all setup-qwen demo test test-fast lint coverage
 setup:
 	./scripts/setup.sh
 
@@ -30,6 +30,13 @@ lint: setup
 # ("no tests ran") is not a failure
 test: setup-all lint
 	OMP_NUM_THREADS=1 .venv/bin/python -m pytest -m "not gpu and not requires_sglang_gpu" -q -n 2 --dist loadfile --no-loadscope-reorder --durations=25; rc=$$?; [ $$rc -eq 5 ] && exit 0; exit $$rc
+
+# the suite of `make test` under coverage.py (branch on, subprocesses included: pyproject.toml [tool.coverage.*]):
+# line and branch coverage of pipeline/ -> scripts/bench/results/coverage.json (#48: it may never fall)
+coverage: setup-all
+	rm -rf .coverage-data; mkdir -p .coverage-data
+	COVERAGE_FILE=$(CURDIR)/.coverage-data/coverage OMP_NUM_THREADS=1 .venv/bin/python -m coverage run -m pytest -m "not gpu and not requires_sglang_gpu" -q -n 2 --dist loadfile --no-loadscope-reorder; echo "pytest rc $$?"
+	COVERAGE_FILE=$(CURDIR)/.coverage-data/coverage .venv/bin/python scripts/bench/coverage_report.py
 
 test-fast: setup
 	.venv/bin/python -m pytest -m "not slow and not gpu and not requires_sglang_gpu" -q
