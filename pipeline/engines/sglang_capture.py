@@ -71,12 +71,36 @@ def capturing_classes() -> list[str]:
     return sorted(found)
 
 
+def _entry_class(architecture: str):
+    """SGLang's registered class for `architecture`, from the one module of sglang.srt.models that defines it
+    (the class that module lists in EntryClass, as the registry maps it), or None where no module does.
+    Importing sglang.srt.models.registry imports every model module SGLang has (~5 s of a 2-core machine)."""
+    import importlib
+    import importlib.util
+    import re
+
+    folder = Path(list(importlib.util.find_spec("sglang.srt.models").submodule_search_locations)[0])
+    defines = re.compile(rf"^class {re.escape(architecture)}\b", re.M)
+    for path in sorted(folder.glob("*.py")):
+        if defines.search(path.read_text(encoding="utf-8-sig")):
+            try:
+                module = importlib.import_module(f"sglang.srt.models.{path.stem}")
+            except Exception:  # as the registry does: a module that does not import here maps nothing
+                return None
+            entry = getattr(module, "EntryClass", None)
+            entries = entry if isinstance(entry, list) else [entry]
+            return next((c for c in entries if getattr(c, "__name__", None) == architecture), None)
+    return None
+
+
 def target_class(architecture: str):
     """SGLang's class for a target architecture; CaptureUnsupported (naming those that can) if it cannot
     capture."""
-    from sglang.srt.models.registry import ModelRegistry
+    cls = _entry_class(architecture)
+    if cls is None:  # defined elsewhere, or not at all: the registry's own answer (or its error)
+        from sglang.srt.models.registry import ModelRegistry
 
-    cls, _ = ModelRegistry.resolve_model_cls([architecture])
+        cls, _ = ModelRegistry.resolve_model_cls([architecture])
     if not hasattr(cls, "set_eagle3_layers_to_capture"):
         raise CaptureUnsupported(
             f"SGLang {_installed()}'s {cls.__name__} (architecture {architecture}) has no "

@@ -86,6 +86,25 @@ def test_a_target_class_without_capture_fails_early_naming_those_that_have_it():
     assert sc.target_class("DeepseekV3ForCausalLM")  # inherits the method from DeepseekV2ForCausalLM
 
 
+def test_a_target_class_read_from_its_one_module_is_the_class_sglangs_registry_maps():
+    """target_class imports only the module defining the architecture (the registry imports them all): for
+    every class that captures, and a few that do not, the same class object the registry resolves."""
+    archs = [*sc.capturing_classes(), "GPT2LMHeadModel", "DeepseekV3ForCausalLM", "Qwen2ForCausalLM"]
+    direct = {a: sc._entry_class(a) for a in archs}
+    assert direct["LlamaForCausalLM"] is not None and direct["GPT2LMHeadModel"] is not None
+    from sglang.srt.models.registry import ModelRegistry
+
+    compared = 0
+    for arch, cls in direct.items():
+        # None: the registry answers (a class defined in another module than its entry); an architecture whose
+        # module the registry could not import here (MindSpore's) it does not map at all
+        if cls is not None and arch in ModelRegistry.models:
+            assert cls is ModelRegistry.resolve_model_cls([arch])[0], arch
+            compared += 1
+    assert compared >= 10, compared
+    assert sc._entry_class("NoSuchArchitecture") is None
+
+
 def test_requests_are_prefill_only_with_hidden_states(target_dir):
     from sglang.srt.managers.schedule_batch import Req
 
