@@ -1,6 +1,7 @@
 """Shared fixtures: a target cache for the whole session, Hydra composition, built targets. And the order
 in which CI's two workers take the test files: longest first."""
 
+import fcntl
 import json
 import os
 from collections import defaultdict
@@ -87,20 +88,37 @@ def smol_folder(make_cfg, cache_dir):
 
 
 @pytest.fixture(scope="session")
-def exported_run(make_cfg, tmp_path_factory):
+def exported_run(make_cfg, tmp_path_factory, worker_id):
     """One tiny run through export (both layouts, each verified in its engine's own class): (run_dir,
-    facts)."""
+    facts). Built once per session: under xdist the workers share one (the session's temporary root, a lock;
+    the tests that read it write nothing into it: test_cli's tools check that of every tool)."""
     from pipeline.formats.feature_store import FeatureStore
     from pipeline.runner import run_stages
 
-    run_dir = tmp_path_factory.mktemp("exported_run")
-    for stage in ("prepare", "extract", "vocab", "train", "export"):
-        run_stages(
-            make_cfg(
-                "+experiment=tiny", "data.limit=16", "train.max_steps=4", f"stage={stage}", run_dir=run_dir
-            )
-        )
+    if worker_id == "master":  # no xdist: this session's own
+        run_dir = tmp_path_factory.mktemp("exported_run")
+    else:  # the session's root, above each worker's own base
+        run_dir = tmp_path_factory.getbasetemp().parent / "exported_run"
+    with open(f"{run_dir}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # the other worker waits while one builds
+        if not (run_dir / "export" / "sglang").is_dir() or "export" not in _records(run_dir):
+            for stage in ("prepare", "extract", "vocab", "train", "export"):
+                run_stages(
+                    make_cfg(
+                        "+experiment=tiny",
+                        "data.limit=16",
+                        "train.max_steps=4",
+                        f"stage={stage}",
+                        run_dir=run_dir,
+                    )
+                )
     return run_dir, FeatureStore(run_dir / "features").facts
+
+
+def _records(run_dir: Path) -> dict:
+    from pipeline.runner import read_records
+
+    return read_records(run_dir) if (run_dir / "stages.json").is_file() else {}
 
 
 @pytest.fixture(scope="session")

@@ -7,6 +7,7 @@ spec-decode counters at /metrics. The numbers they return are fixed so the expec
 """
 
 import json
+import shutil
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -123,6 +124,15 @@ def serve():
         s.shutdown()
 
 
+@pytest.fixture(scope="module")
+def run_copy(exported_run, tmp_path_factory):
+    """This module's copy of the session's exported run: its evaluate writes eval/ and a stage record, which
+    the run other files read (and check tools leave alone) must not get."""
+    run_dir = tmp_path_factory.mktemp("online") / "run"
+    shutil.copytree(exported_run[0], run_dir)
+    return run_dir
+
+
 def _online(make_cfg, run_dir, *overrides):
     run_stages(
         make_cfg(
@@ -139,8 +149,8 @@ def _online(make_cfg, run_dir, *overrides):
     return json.loads((run_dir / "eval" / "online.json").read_text())
 
 
-def test_sglang_endpoint_accept_length_and_speedup_over_a_baseline(exported_run, make_cfg, serve, tmp_path):
-    run_dir, _ = exported_run
+def test_sglang_endpoint_accept_length_and_speedup_over_a_baseline(run_copy, make_cfg, serve, tmp_path):
+    run_dir = run_copy
     report = _online(
         make_cfg,
         run_dir,
@@ -191,11 +201,11 @@ def sglang_like(disable_cuda_graph: bool, speculates: bool, delay_s: float):
 
 
 def test_a_slower_speculative_server_is_said_with_the_settings_that_explain_it(
-    exported_run, make_cfg, serve, caplog
+    run_copy, make_cfg, serve, caplog
 ):
     """On the H200 a speculative server without CUDA graphs ran at 0.13x of a plain one with them: the report
     records each server's own settings and says, in one line, why the speedup is below 1."""
-    run_dir, _ = exported_run
+    run_dir = run_copy
     report = _online(
         make_cfg,
         run_dir,
@@ -227,8 +237,8 @@ def test_a_slower_speculative_server_is_said_with_the_settings_that_explain_it(
     assert faster["speedup"] > 1 and "speedup_note" not in faster
 
 
-def test_vllm_endpoint_reads_the_counter_deltas(exported_run, make_cfg, serve):
-    run_dir, _ = exported_run
+def test_vllm_endpoint_reads_the_counter_deltas(run_copy, make_cfg, serve):
+    run_dir = run_copy
     spec = _online(
         make_cfg, run_dir, f"eval.endpoint={serve(vllm_like(speculates=True))}", "eval.concurrency=[2]"
     )["speculative"]
@@ -241,17 +251,17 @@ def test_vllm_endpoint_reads_the_counter_deltas(exported_run, make_cfg, serve):
     assert spec["accept_per_position"] == pytest.approx([0.75, 0.5, 0.25])
 
 
-def test_unreachable_endpoint_is_one_clear_error(exported_run, make_cfg):
-    run_dir, _ = exported_run
+def test_unreachable_endpoint_is_one_clear_error(run_copy, make_cfg):
+    run_dir = run_copy
     with pytest.raises(UserError, match="is the server running"):
         _online(make_cfg, run_dir, "eval.endpoint=http://127.0.0.1:9")
 
 
-def test_a_dead_baseline_is_one_line_naming_it_and_no_speedup(exported_run, make_cfg, serve):
+def test_a_dead_baseline_is_one_line_naming_it_and_no_speedup(run_copy, make_cfg, serve):
     """The two servers' passes are interleaved, so a baseline that is not there is found before any is
     measured
     (issue #36: no speedup from a run that is not like for like)."""
-    run_dir, _ = exported_run
+    run_dir = run_copy
     (run_dir / "eval" / "online.json").unlink(missing_ok=True)
     with pytest.raises(UserError, match="the baseline server: .*is the server running.*nothing was measured"):
         _online(
@@ -264,12 +274,12 @@ def test_a_dead_baseline_is_one_line_naming_it_and_no_speedup(exported_run, make
     assert report["failed_side"] == "baseline" and "speedup" not in report
 
 
-def test_online_accept_length_per_prompt_set_in_one_table(exported_run, make_cfg, serve):
+def test_online_accept_length_per_prompt_set_in_one_table(run_copy, make_cfg, serve):
     """eval.endpoint with eval.sets: one online.json per set and one table (eval/sets_online.json) of the
     server's accept length and speedup per set, the offline table (eval/sets.json) left as it was;
     mt_bench_turn2's first
     answers come from the server itself."""
-    run_dir, _ = exported_run
+    run_dir = run_copy
     offline_table = run_dir / "eval" / "sets.json"
     offline_table.parent.mkdir(parents=True, exist_ok=True)
     offline_table.write_text('{"heldout": {"prompts": 2, "tau": {"1": 1.5}}}')
