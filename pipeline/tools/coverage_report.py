@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[2]  # the repository
 def main(name: str) -> None:
     cov = [sys.executable, "-m", "coverage"]
     subprocess.run([*cov, "combine", "-q"], cwd=ROOT, check=True)
-    out = ROOT / ".coverage-data" / "coverage.json"
+    out = ROOT / ".coverage-data" / "report.json"  # not coverage.*: combine would read it as data
     subprocess.run([*cov, "json", "-q", "-o", str(out)], cwd=ROOT, check=True)
     t = json.loads(out.read_text())["totals"]
     res = bench_results.header(name, command="make coverage")
