@@ -77,7 +77,7 @@ def route(argv: list[str]) -> str | list[str]:
             )
     # options first, then the overrides together: Hydra's parser takes one run of overrides, so
     # `verify --cfg job x=1` (and the tools' own hydra.* overrides the entry point appends) would be refused
-    words = set(_positions(args))
+    words = set(words)  # rewriting a command word or a stage= value moves no position
     return [a for i, a in enumerate(args) if i not in words] + [a for i, a in enumerate(args) if i in words]
 
 

@@ -101,7 +101,7 @@ def exported_run(make_cfg, tmp_path_factory, worker_id):
         run_dir = tmp_path_factory.getbasetemp().parent / "exported_run"
     with open(f"{run_dir}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # the other worker waits while one builds
-        if not (run_dir / "export" / "sglang").is_dir() or "export" not in _records(run_dir):
+        if "export" not in _records(run_dir):  # recorded once the export stage finished
             for stage in ("prepare", "extract", "vocab", "train", "export"):
                 run_stages(
                     make_cfg(

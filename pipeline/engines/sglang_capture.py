@@ -55,15 +55,20 @@ class CaptureUnsupported(Exception):
     pass
 
 
-def capturing_classes() -> list[str]:
-    """SGLang model classes that define set_eagle3_layers_to_capture, read from the installed source."""
+def _model_sources():
+    """(module name, source text) of each file of the installed sglang.srt.models, in name order."""
     import importlib.util
 
     folder = Path(list(importlib.util.find_spec("sglang.srt.models").submodule_search_locations)[0])
-    found = set()
     for path in sorted(folder.glob("*.py")):
-        tree = ast.parse(path.read_text(encoding="utf-8-sig"))  # 0.5.17 has files with a BOM
-        for node in tree.body:
+        yield path.stem, path.read_text(encoding="utf-8-sig")  # 0.5.17 has files with a BOM
+
+
+def capturing_classes() -> list[str]:
+    """SGLang model classes that define set_eagle3_layers_to_capture, read from the installed source."""
+    found = set()
+    for _, text in _model_sources():
+        for node in ast.parse(text).body:
             if isinstance(node, ast.ClassDef) and any(
                 isinstance(f, ast.FunctionDef) and f.name == "set_eagle3_layers_to_capture" for f in node.body
             ):
@@ -76,15 +81,13 @@ def _entry_class(architecture: str):
     (the class that module lists in EntryClass, as the registry maps it), or None where no module does.
     Importing sglang.srt.models.registry imports every model module SGLang has (~5 s of a 2-core machine)."""
     import importlib
-    import importlib.util
     import re
 
-    folder = Path(list(importlib.util.find_spec("sglang.srt.models").submodule_search_locations)[0])
     defines = re.compile(rf"^class {re.escape(architecture)}\b", re.M)
-    for path in sorted(folder.glob("*.py")):
-        if defines.search(path.read_text(encoding="utf-8-sig")):
+    for name, text in _model_sources():
+        if defines.search(text):
             try:
-                module = importlib.import_module(f"sglang.srt.models.{path.stem}")
+                module = importlib.import_module(f"sglang.srt.models.{name}")
             except Exception:  # as the registry does: a module that does not import here maps nothing
                 return None
             entry = getattr(module, "EntryClass", None)
